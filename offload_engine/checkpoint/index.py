@@ -1,0 +1,304 @@
+"""Safetensors headers and the shard index, parsed and validated without reading tensor data.
+
+Validation follows ../shared/RELIABILITY.md rules 1-2 and cases F1-F15: every header and the whole index are
+checked (sizes against fstat, checked arithmetic, full coverage of each data section) before anything is
+allocated in proportion to a declared size, and every error names the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import CheckpointError, CheckpointFormatError
+
+HEADER_CAP = 100 * 1024 * 1024  # safetensors' own limit; OFFLOAD_ENGINE_HEADER_CAP overrides
+_MAX_ELEMENTS = 2**63
+
+# safetensors dtype -> (bits per element, torch dtype or None when torch cannot hold it directly)
+DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
+    "F64": (64, torch.float64), "F32": (32, torch.float32), "F16": (16, torch.float16), "BF16": (16, torch.bfloat16),
+    "I64": (64, torch.int64), "I32": (32, torch.int32), "I16": (16, torch.int16), "I8": (8, torch.int8),
+    "U8": (8, torch.uint8), "U16": (16, getattr(torch, "uint16", None)), "U32": (32, getattr(torch, "uint32", None)),
+    "U64": (64, getattr(torch, "uint64", None)), "BOOL": (8, torch.bool),
+    "F8_E4M3": (8, getattr(torch, "float8_e4m3fn", None)), "F8_E5M2": (8, getattr(torch, "float8_e5m2", None)),
+    "F8_E8M0": (8, getattr(torch, "float8_e8m0fnu", None)), "F4": (4, None),
+}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+TORCH_DTYPE_NAMES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16", "bfloat16": "BF16",
+                     "float64": "F64"}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor's bytes lie: `offset` is absolute within `file`."""
+
+    name: str
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = DTYPES[self.dtype][1]
+        if dt is None:
+            raise CheckpointFormatError(self.file, f"dtype {self.dtype} cannot be computed with by this torch build",
+                                        tensor=self.name)
+        return dt
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    size: int
+    data_start: int
+    identity: tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns), re-checked when a read fails
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+def _header_cap() -> int:
+    return int(os.environ.get("OFFLOAD_ENGINE_HEADER_CAP", HEADER_CAP))
+
+
+def _no_duplicates(path: Path):
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise CheckpointFormatError(path, f"duplicate key '{key}' in JSON", tensor=None)
+            out[key] = value
+        return out
+    return hook
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
+    """Parse and fully validate one safetensors file's header against the file's real size."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot open shard: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size < 8:
+            raise CheckpointFormatError(path, f"file shorter than the 8-byte header length (size {size} bytes)")
+        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        cap = _header_cap()
+        if hlen > cap:
+            raise CheckpointFormatError(path, f"declared header length {hlen} exceeds the cap of {cap} bytes",
+                                        hint="raise OFFLOAD_ENGINE_HEADER_CAP if the file is trusted")
+        if 8 + hlen > size:
+            raise CheckpointFormatError(path, f"header length beyond the file: declared={hlen}, file_size={size}")
+        raw = os.pread(fd, hlen, 8)
+        if len(raw) != hlen:
+            raise CheckpointFormatError(path, f"short read of header: wanted {hlen} bytes, got {len(raw)}")
+    finally:
+        os.close(fd)
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(path, f"header is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
+    if not text.startswith("{"):
+        raise CheckpointFormatError(path, "header does not start with '{' (not a safetensors file?)")
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicates(path))
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise CheckpointFormatError(path, "header JSON nested too deeply") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(path, f"header must be a JSON object, found {type(header).__name__}")
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointFormatError(path, "__metadata__ must map strings to strings")
+
+    data_start = 8 + hlen
+    data_len = size - data_start
+    records: list[TensorRecord] = []
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        records.append(_validate_entry(path, name, entry, data_start, spans))
+    _check_coverage(path, spans, data_len)
+    return ShardInfo(path, size, data_start, identity, metadata), records
+
+
+def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: list) -> TensorRecord:
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(path, "header entry must be an object", tensor=name)
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointFormatError(path, f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}", tensor=name)
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointFormatError(path, f"shape must be a list of non-negative integers, found {shape!r}", tensor=name)
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) and o >= 0 for o in offs):
+        raise CheckpointFormatError(path, f"data_offsets must be two non-negative integers, found {offs!r}", tensor=name)
+    begin, end = offs
+    if end < begin:
+        raise CheckpointFormatError(path, f"data_offsets end {end} < begin {begin}", tensor=name)
+    numel = 1
+    for d in shape:
+        numel *= d  # Python ints: no wrap-around; guarded below
+        if numel > _MAX_ELEMENTS:
+            raise CheckpointFormatError(path, f"shape {shape} has more than 2**63 elements", tensor=name)
+    bits = DTYPES[dtype][0]
+    if (numel * bits) % 8:
+        raise CheckpointFormatError(path, f"{numel} elements of {dtype} are not a whole number of bytes", tensor=name)
+    nbytes = numel * bits // 8
+    if end - begin != nbytes:
+        raise CheckpointFormatError(
+            path, f"byte range [{begin}, {end}) holds {end - begin} bytes but shape {shape} x {dtype} needs {nbytes}",
+            tensor=name)
+    spans.append((begin, end, name))
+    return TensorRecord(name, path, data_start + begin, nbytes, dtype, tuple(shape))
+
+
+def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """Tensors must tile the data section exactly: no overlap, no hole, no trailing bytes, nothing missing."""
+    spans.sort()
+    pos, prev = 0, None
+    for begin, end, name in spans:
+        if begin == end:
+            continue
+        if begin < pos:
+            raise CheckpointFormatError(path, f"byte range [{begin}, {end}) overlaps tensor '{prev}'", tensor=name)
+        if begin > pos:
+            raise CheckpointFormatError(path, f"data section not fully covered: hole of {begin - pos} bytes before it",
+                                        tensor=name, offset=pos)
+        pos, prev = end, name
+    if pos > data_len:
+        raise CheckpointFormatError(
+            path, f"shard truncated: expected {pos} data bytes, have {max(data_len, 0)}",
+            tensor=prev, hint=f"re-download {path.name}")
+    if pos < data_len:
+        raise CheckpointFormatError(path, f"data section not fully covered: {data_len - pos} trailing bytes after the "
+                                          f"last tensor", offset=pos)
+
+
+def _inside(root: Path, rel: str, index_path: Path) -> Path:
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        raise CheckpointFormatError(index_path, f"shard path {rel!r} escapes model directory (absolute or empty)")
+    candidate = (root / rel)
+    real_root = root.resolve()
+    try:
+        candidate.resolve().relative_to(real_root)
+    except ValueError:
+        raise CheckpointFormatError(index_path, f"shard path {rel!r} escapes model directory {root}") from None
+    return candidate
+
+
+def load_json(path: Path, what: str) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{what} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"cannot read {what}: {e}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates(path))
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(path, f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(path, f"{what} must be a JSON object")
+    return data
+
+
+class CheckpointIndex:
+    """Every tensor of a Hugging Face folder: name -> TensorRecord, from headers alone."""
+
+    def __init__(self, root: Path, config: dict, shards: list[ShardInfo], tensors: dict[str, TensorRecord]):
+        self.root = root
+        self.config = config
+        self.shards = shards
+        self.tensors = tensors
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors)")
+        config = load_json(root / "config.json", "config.json")
+        shard_paths, weight_map, index_path = cls._find_shards(root)
+        shards: list[ShardInfo] = []
+        tensors: dict[str, TensorRecord] = {}
+        for shard in shard_paths:
+            info, records = read_shard_header(shard)
+            shards.append(info)
+            for rec in records:
+                if rec.name in tensors:
+                    raise CheckpointFormatError(shard, f"tensor also present in {tensors[rec.name].file.name}",
+                                                tensor=rec.name)
+                if weight_map is not None and weight_map.get(rec.name) != shard:
+                    where = weight_map.get(rec.name)
+                    raise CheckpointFormatError(
+                        index_path, f"tensor found in shard {shard.name} but the index "
+                                    f"{'does not list it' if where is None else 'maps it to ' + where.name}",
+                        tensor=rec.name)
+                tensors[rec.name] = rec
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in tensors:
+                    raise CheckpointFormatError(index_path, f"index maps tensor to {shard.name}, which does not contain it",
+                                                tensor=name)
+        return cls(root, config, shards, tensors)
+
+    @staticmethod
+    def _find_shards(root: Path) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
+        index_path = root / "model.safetensors.index.json"
+        if index_path.exists():
+            index = load_json(index_path, "shard index")
+            wm = index.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CheckpointFormatError(index_path, "'weight_map' must be a non-empty object of tensor -> shard file")
+            weight_map: dict[str, Path] = {}
+            for name, rel in wm.items():
+                shard = _inside(root, rel, index_path)
+                if not shard.is_file():
+                    raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'", tensor=name,
+                                                hint="re-download the checkpoint")
+                weight_map[name] = shard
+            return sorted(set(weight_map.values())), weight_map, index_path
+        single = root / "model.safetensors"
+        if single.is_file():
+            _inside(root, single.name, single)
+            return [single], None, None
+        others = sorted(root.glob("*.safetensors"))
+        if len(others) == 1:
+            _inside(root, others[0].name, others[0])
+            return others, None, None
+        if others:
+            raise CheckpointError(root, f"{len(others)} .safetensors files but no model.safetensors.index.json",
+                                  hint="restore the shard index from the original download")
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(root, f"pickle checkpoint refused ({', '.join(pickles)}): unpickling can execute code",
+                                  hint="convert it to safetensors (e.g. safetensors' convert script) in a sandbox")
+        raise CheckpointError(root, "no model.safetensors or model.safetensors.index.json in the folder")
+
+    # ---- derived views --------------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def dominant_float_dtype(self) -> str | None:
+        by_bytes: dict[str, int] = {}
+        for r in self.tensors.values():
+            if r.dtype in FLOAT_DTYPES:
+                by_bytes[r.dtype] = by_bytes.get(r.dtype, 0) + r.nbytes
+        return max(by_bytes, key=by_bytes.get) if by_bytes else None
+
+    def names(self) -> Iterable[str]:
+        return self.tensors.keys()
