@@ -1,0 +1,80 @@
+"""Where a unit's tensors lie on disk and inside its one contiguous blob.
+
+A unit is read into one blob (one copy per tier move); its tensors are views at fixed offsets. Slices are laid
+out in file order with only the padding their dtype's alignment needs, so tensors adjacent on disk stay
+adjacent in the blob and one unit is usually one read per shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .index import DTYPES, TensorRecord
+from .naming import TensorSpec, UnitKey
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    local: str
+    file: Path
+    file_offset: int
+    nbytes: int
+    blob_offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    file: Path
+    file_offset: int
+    nbytes: int
+    blob_offset: int
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    key: UnitKey
+    slices: tuple[TensorSlice, ...]
+    nbytes: int  # blob size
+
+    def views(self, blob: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed tensor views into a uint8 blob holding this unit's bytes."""
+        out = {}
+        for s in self.slices:
+            raw = blob[s.blob_offset:s.blob_offset + s.nbytes]
+            out[s.local] = raw.view(DTYPES[s.dtype][1]).view(s.shape)
+        return out
+
+    def read_ranges(self) -> list[ReadRange]:
+        """Byte ranges to read, adjacent ones merged (same file, contiguous on disk and in the blob)."""
+        ranges: list[ReadRange] = []
+        for s in self.slices:
+            last = ranges[-1] if ranges else None
+            if (last is not None and last.file == s.file and last.file_offset + last.nbytes == s.file_offset
+                    and last.blob_offset + last.nbytes == s.blob_offset):
+                ranges[-1] = ReadRange(last.file, last.file_offset, last.nbytes + s.nbytes, last.blob_offset)
+            else:
+                ranges.append(ReadRange(s.file, s.file_offset, s.nbytes, s.blob_offset))
+        return ranges
+
+
+def build_layout(key: UnitKey, specs: dict[str, TensorSpec], records: dict[str, TensorRecord]) -> UnitLayout:
+    parts = []
+    for local, spec in specs.items():
+        rec = records[spec.hf_name]
+        offset, nbytes = rec.offset, rec.nbytes
+        if spec.index is not None:  # one expert's slice of a fused [E, ...] tensor
+            nbytes = rec.nbytes // rec.shape[0]
+            offset = rec.offset + spec.index * nbytes
+        parts.append((rec.file, offset, nbytes, local, rec.dtype, spec.shape))
+    parts.sort(key=lambda p: (str(p[0]), p[1]))
+    slices, pos = [], 0
+    for file, offset, nbytes, local, dtype, shape in parts:
+        align = max(1, DTYPES[dtype][0] // 8)
+        pos = -(-pos // align) * align
+        slices.append(TensorSlice(local, file, offset, nbytes, pos, dtype, tuple(shape)))
+        pos += nbytes
+    return UnitLayout(key, tuple(slices), pos)

@@ -1,0 +1,97 @@
+"""open_model: index + config + architecture, validated together before anything is loaded."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointFormatError
+from .hf_config import ModelSpec, parse_config
+from .index import FLOAT_DTYPES, TORCH_DTYPE_NAMES, CheckpointIndex
+from .layout import UnitLayout, build_layout
+from .naming import ModelSchema, UnitKey
+
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass
+class ModelCheckpoint:
+    root: Path
+    index: CheckpointIndex
+    spec: ModelSpec
+    arch: Any  # runtime.arch.base.Architecture
+    args: Any  # the architecture's ModelArgs
+    schema: ModelSchema
+    layouts: dict[UnitKey, UnitLayout]
+    fused_experts: bool
+    unused_tensors: list[str] = field(default_factory=list)
+
+    def unit_bytes(self, key: UnitKey) -> int:
+        return self.layouts[key].nbytes
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, layout in self.layouts.items():
+            out[key.kind] = out.get(key.kind, 0) + layout.nbytes
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(layout.nbytes for layout in self.layouts.values())
+
+
+def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelCheckpoint:
+    """Open a Hugging Face folder and check every tensor the config implies: presence, shape, dtype."""
+    from ..runtime.arch import get_architecture  # the architectures own the naming tables
+
+    index = CheckpointIndex.open(path)
+    config_path = index.root / "config.json"
+    spec = parse_config(index.config, config_path)
+    arch = get_architecture(spec.model_type, config_path)
+    if spec.num_layers > len(index.tensors):
+        raise CheckpointFormatError(config_path, f"num_hidden_layers={spec.num_layers} but the checkpoint holds only "
+                                                 f"{len(index.tensors)} tensors")
+    args = arch.args(spec)
+    fused = any(_FUSED_EXPERTS.search(n) for n in index.tensors)
+    schema = arch.schema(args, fused_experts=fused)
+    _check_tensors(index, spec, schema, config_path, allow_cast)
+    layouts = {key: build_layout(key, specs, index.tensors) for key, specs in schema.units.items()}
+    unused = sorted(set(index.tensors) - schema.hf_names())
+    return ModelCheckpoint(index.root, index, spec, arch, args, schema, layouts, fused, unused)
+
+
+def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema, config_path: Path,
+                   allow_cast: bool) -> None:
+    want_dtype = TORCH_DTYPE_NAMES.get(spec.dtype)
+    quantized = "quantization_config" in spec.raw
+    dtype_mismatches = []
+    for key, specs in schema.units.items():
+        for local, ts in specs.items():
+            rec = index.tensors.get(ts.hf_name)
+            if rec is None:
+                raise CheckpointFormatError(index.root, f"tensor missing: config.json (model_type={spec.model_type}) "
+                                                        f"implies it for unit {key} with shape {list(ts.shape)}",
+                                            tensor=ts.hf_name)
+            expected = ts.shape if ts.index is None else None
+            if ts.index is not None:
+                if len(rec.shape) != len(ts.shape) + 1 or rec.shape[1:] != ts.shape or ts.index >= rec.shape[0]:
+                    expected = (f"[>{ts.index}, " + ", ".join(map(str, ts.shape)) + "]")
+                    raise CheckpointFormatError(rec.file, f"shape {list(rec.shape)} disagrees with config.json: "
+                                                          f"expected {expected}", tensor=rec.name)
+            elif tuple(rec.shape) != tuple(expected):
+                raise CheckpointFormatError(rec.file, f"shape {list(rec.shape)} disagrees with config.json: expected "
+                                                      f"{list(expected)}", tensor=rec.name)
+            if ts.dtype is not None and rec.dtype != ts.dtype:
+                dtype_mismatches.append((rec, ts.dtype))
+            elif (ts.dtype is None and want_dtype and not quantized and rec.dtype in FLOAT_DTYPES
+                  and len(rec.shape) >= 2 and rec.dtype != want_dtype):
+                dtype_mismatches.append((rec, want_dtype))
+    if dtype_mismatches and not allow_cast:
+        rec, want = dtype_mismatches[0]
+        more = "; ".join(f"{r.name}: {r.dtype}" for r, _ in dtype_mismatches[1:4])
+        raise CheckpointFormatError(
+            rec.file, f"dtype {rec.dtype} disagrees with config.json torch_dtype={spec.dtype} (expected {want})"
+                      f"{'; also ' + more if more else ''} ({len(dtype_mismatches)} tensors in all)",
+            tensor=rec.name, hint="pass allow_cast=True (CLI: --allow-cast) to convert")

@@ -1,0 +1,1 @@
+"""Pure-torch forward passes over weights obtained from a WeightSource."""

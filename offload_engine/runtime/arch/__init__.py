@@ -1,0 +1,25 @@
+"""Architecture registry: config.json `model_type` -> architecture module (mlx-lm's convention)."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from ...errors import CheckpointError
+
+# model_type -> module under offload_engine.runtime.arch (a fixed table: nothing is imported by name from config)
+_MODULES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_MODULES)
+
+
+def get_architecture(model_type: str, config_path: Path | str = "config.json"):
+    module = _MODULES.get(model_type)
+    if module is None:
+        raise CheckpointError(config_path, f"unsupported model_type {model_type!r}; supported: "
+                                           f"{', '.join(supported_model_types())}")
+    return importlib.import_module(f"{__name__}.{module}").ARCH

@@ -1,0 +1,212 @@
+"""The architecture contract, and the standard pre-norm decoder most families share.
+
+An architecture turns a ModelSpec into its ModelArgs (`args`), describes its tensors as a ModelSchema
+(`schema`: the naming table), and provides the per-layer operations the runtime calls (`ops`). The runtime
+owns the layer loop, residuals and weight acquisition; an architecture only computes.
+
+`StandardDecoder` covers Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE: they differ only in flags
+(QKV bias, QK-norm, which layers are MoE, where experts live in the checkpoint, shared experts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ...checkpoint.hf_config import ModelSpec
+from ...checkpoint.naming import ModelSchema, TensorSpec, UnitKey
+from ..kv_cache import KVCache
+from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
+from ..moe import softmax_topk
+
+Weights = Mapping[str, torch.Tensor]
+
+
+class LayerOps(Protocol):
+    """What the runtime calls for one model; `w` is always the tensors of one unit, by local name."""
+
+    def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor: ...
+    def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+    def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+    def post_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+    def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                  mask: torch.Tensor | None) -> torch.Tensor: ...
+    def is_moe(self, layer: int) -> bool: ...
+    def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+    def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None: ...
+    def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Architecture(Protocol):
+    name: str
+
+    def args(self, spec: ModelSpec): ...
+    def schema(self, args, fused_experts: bool = False) -> ModelSchema: ...
+    def ops(self, args, device: torch.device, dtype: torch.dtype) -> LayerOps: ...
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    spec: ModelSpec
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    moe_layers: frozenset[int] = frozenset()
+    moe_prefix: str = "mlp"  # where the router and experts live: "mlp" or Mixtral's "block_sparse_moe"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_intermediate_size: int = 0  # Qwen2-MoE shared expert (with a sigmoid gate)
+
+
+def sparse_layers(spec: ModelSpec, step: int = 1, dense_only: tuple[int, ...] = ()) -> frozenset[int]:
+    """Qwen-MoE rule: MoE where (l + 1) % decoder_sparse_step == 0 and l not in mlp_only_layers."""
+    if spec.num_experts <= 0:
+        return frozenset()
+    return frozenset(l for l in range(spec.num_layers) if l not in dense_only and (l + 1) % max(step, 1) == 0)
+
+
+def add_embed_and_head(schema: ModelSchema, spec: ModelSpec) -> None:
+    V, H = spec.vocab_size, spec.hidden_size
+    embed, head = UnitKey(-1, "embed"), UnitKey(spec.num_layers, "head")
+    schema.add(embed, "weight", TensorSpec("model.embed_tokens.weight", (V, H)))
+    schema.add(head, "norm", TensorSpec("model.norm.weight", (H,)))
+    # Tied heads: the head unit holds the embedding matrix too (a second copy in memory, same bytes on disk)
+    head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    schema.add(head, "weight", TensorSpec(head_name, (V, H)))
+
+
+def add_gated_mlp(schema: ModelSchema, key: UnitKey, hf_prefix: str, local_prefix: str, inter: int, hidden: int,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    g, u, d = names
+    schema.add(key, f"{local_prefix}gate", TensorSpec(f"{hf_prefix}{g}.weight", (inter, hidden)))
+    schema.add(key, f"{local_prefix}up", TensorSpec(f"{hf_prefix}{u}.weight", (inter, hidden)))
+    schema.add(key, f"{local_prefix}down", TensorSpec(f"{hf_prefix}{d}.weight", (hidden, inter)))
+
+
+def add_experts(schema: ModelSchema, layer: int, hf_layer: str, moe_prefix: str, n_experts: int, inter: int,
+                hidden: int, names: tuple[str, str, str], fused: bool) -> None:
+    """Per-expert tensors (`experts.7.gate_proj.weight`) or transformers 5's fused `experts.gate_up_proj [E, 2I, H]`."""
+    for e in range(n_experts):
+        key = UnitKey(layer, "expert", e)
+        if fused:
+            base = f"{hf_layer}{moe_prefix}.experts."
+            schema.add(key, "gate_up", TensorSpec(base + "gate_up_proj", (2 * inter, hidden), index=e))
+            schema.add(key, "down", TensorSpec(base + "down_proj", (hidden, inter), index=e))
+        else:
+            add_gated_mlp(schema, key, f"{hf_layer}{moe_prefix}.experts.{e}.", "", inter, hidden, names)
+
+
+def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
+    if "gate_up" in w:
+        gate, up = w["gate_up"].chunk(2, dim=0)
+        return gated_mlp(x, gate, up, w["down"], act)
+    return gated_mlp(x, w["gate"], w["up"], w["down"], act)
+
+
+class StandardDecoder:
+    """Pre-norm decoder: RMSNorm -> GQA attention with RoPE -> RMSNorm -> (gated MLP | routed experts)."""
+
+    def __init__(self, name: str, args_fn):
+        self.name = name
+        self._args_fn = args_fn
+
+    def args(self, spec: ModelSpec) -> DecoderArgs:
+        return self._args_fn(spec)
+
+    def schema(self, a: DecoderArgs, fused_experts: bool = False) -> ModelSchema:
+        s, schema = a.spec, ModelSchema()
+        H, D = s.hidden_size, s.head_dim
+        add_embed_and_head(schema, s)
+        for l in range(s.num_layers):
+            key, p = UnitKey(l, "dense"), f"model.layers.{l}."
+
+            def add(local: str, shape: tuple[int, ...]) -> None:
+                schema.add(key, local, TensorSpec(p + local, shape))
+
+            add("input_layernorm.weight", (H,))
+            add("post_attention_layernorm.weight", (H,))
+            for proj, out in (("q", s.num_heads * D), ("k", s.num_kv_heads * D), ("v", s.num_kv_heads * D)):
+                add(f"self_attn.{proj}_proj.weight", (out, H))
+                if a.qkv_bias:
+                    add(f"self_attn.{proj}_proj.bias", (out,))
+            add("self_attn.o_proj.weight", (H, s.num_heads * D))
+            if a.o_bias:
+                add("self_attn.o_proj.bias", (H,))
+            if a.qk_norm:
+                add("self_attn.q_norm.weight", (D,))
+                add("self_attn.k_norm.weight", (D,))
+            if l in a.moe_layers:
+                add(f"{a.moe_prefix}.gate.weight", (s.num_experts, H))
+                if a.shared_intermediate_size:
+                    add_gated_mlp(schema, key, f"{p}{a.moe_prefix}.shared_expert.", "shared.",
+                                  a.shared_intermediate_size, H)
+                    add(f"{a.moe_prefix}.shared_expert_gate.weight", (1, H))
+                add_experts(schema, l, p, a.moe_prefix, s.num_experts, a.moe_intermediate_size, H, a.expert_names,
+                            fused_experts)
+            else:
+                add_gated_mlp(schema, key, f"{p}mlp.", "mlp.", s.intermediate_size, H)
+        return schema
+
+    def ops(self, a: DecoderArgs, device: torch.device, dtype: torch.dtype) -> "StandardOps":
+        return StandardOps(a, device, dtype)
+
+
+class StandardOps:
+    def __init__(self, a: DecoderArgs, device: torch.device, dtype: torch.dtype):
+        self.a, self.s = a, a.spec
+        self.act = activation(self.s.hidden_act)
+        self.rotary = Rotary(self.s.rope, self.s.head_dim, self.s.max_position_embeddings, device)
+        self.dtype = dtype
+
+    # embedding and head
+    def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, w["weight"])
+
+    def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, w["norm"], self.s.rms_norm_eps), w["weight"]).float()
+
+    def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, w["input_layernorm.weight"], self.s.rms_norm_eps)
+
+    def post_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, w["post_attention_layernorm.weight"], self.s.rms_norm_eps)
+
+    def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        s, T, D = self.s, x.shape[0], self.s.head_dim
+        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(T, s.num_heads, D)
+        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(T, s.num_kv_heads, D)
+        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(T, s.num_kv_heads, D)
+        if self.a.qk_norm:
+            q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_all, v_all = cache.append(layer, k, v)
+        out = attention(q, k_all, v_all, mask, D ** -0.5)
+        return F.linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+    # feed-forward
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.a.moe_layers
+
+    def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        return gated_mlp(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"], self.act)
+
+    def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, w[f"{self.a.moe_prefix}.gate.weight"])
+        return softmax_topk(logits, self.s.num_experts_per_tok, self.a.norm_topk_prob)
+
+    def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.a.shared_intermediate_size:
+            return None
+        y = gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
+        return torch.sigmoid(F.linear(x, w[f"{self.a.moe_prefix}.shared_expert_gate.weight"])) * y
+
+    def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        return expert_forward(w, x, self.act)

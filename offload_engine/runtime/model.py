@@ -1,0 +1,75 @@
+"""The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.naming import UnitKey
+from .kv_cache import KVCache
+from .layers import causal_mask
+from .moe import moe_combine, routed_experts
+from .weights import Weights, WeightSource
+
+
+class CausalLM:
+    """forward(tokens, cache) -> float32 logits; the architecture computes, the source supplies weights."""
+
+    def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype):
+        self.checkpoint = checkpoint
+        self.spec = checkpoint.spec
+        self.source = source
+        self.device, self.dtype = device, dtype
+        self.ops = checkpoint.arch.ops(checkpoint.args, device, dtype)
+        self.vocab_size = self.spec.vocab_size
+        self.num_layers = self.spec.num_layers
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        return KVCache(self.num_layers, max_tokens, self.device)
+
+    @contextmanager
+    def _unit(self, key: UnitKey) -> Iterator[Weights]:
+        (_, w), = self.source.acquire([key])
+        try:
+            yield w
+        finally:
+            self.source.release([key])
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] follow the cache's committed content; mask [T, cache.length + T] for draft trees."""
+        tokens = tokens.to(self.device)
+        T = tokens.shape[0]
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + T, device=self.device)
+        if mask is None:
+            mask = causal_mask(positions, cache.length + T)
+        ops = self.ops
+        with self._unit(UnitKey(-1, "embed")) as w:
+            x = ops.embed(w, tokens)
+        for layer in range(self.num_layers):
+            with self._unit(UnitKey(layer, "dense")) as w:
+                x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
+                h = ops.post_norm(layer, w, x)
+                if ops.is_moe(layer):
+                    x = x + self._moe(layer, w, h)
+                else:
+                    x = x + ops.dense_mlp(layer, w, h)
+        with self._unit(UnitKey(self.num_layers, "head")) as w:
+            logits = ops.logits(w, x[-1:] if last_only else x)
+        cache.advance(T)
+        return logits
+
+    def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        indices, weights = self.ops.route(layer, w, h)
+        keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices)]
+        try:
+            arrivals = ((key.expert, ew) for key, ew in self.source.acquire(keys))
+            out = moe_combine(h, indices, weights, arrivals, self.ops.expert)
+        finally:
+            self.source.release(keys)
+        shared = self.ops.shared_experts(layer, w, h)
+        return out if shared is None else out + shared

@@ -1,0 +1,1 @@
+"""Sampling, drafting, verification and the decode loop (see decoder.py's glossary)."""

@@ -1,0 +1,1 @@
+"""Weight tiers: device, host RAM, and the checkpoint files themselves."""

@@ -1,0 +1,41 @@
+"""Every unit read once and kept: the reference WeightSource (and the fastest when everything fits)."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.naming import UnitKey
+from ..runtime.weights import Weights
+from .disk import ShardFiles, read_unit
+
+
+def convert(weights: Weights, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors to the compute dtype on the compute device; integer tensors keep their dtype."""
+    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)).contiguous()
+            for k, v in weights.items()}
+
+
+class ResidentWeights:
+    def __init__(self, checkpoint: ModelCheckpoint, device: torch.device, dtype: torch.dtype, progress: bool = False):
+        self.files = ShardFiles(checkpoint.index.shards)
+        self.units: dict[UnitKey, dict[str, torch.Tensor]] = {}
+        try:
+            bar = tqdm(total=checkpoint.total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
+            for key, layout in checkpoint.layouts.items():
+                blob = torch.empty(layout.nbytes, dtype=torch.uint8)
+                read_unit(self.files, layout, blob)
+                self.units[key] = convert(layout.views(blob), device, dtype)
+                bar.update(layout.nbytes)
+            bar.close()
+        finally:
+            self.files.close()
+
+    def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:
+        for key in keys:
+            yield key, self.units[key]
+
+    def release(self, keys: Sequence[UnitKey]) -> None:
+        pass

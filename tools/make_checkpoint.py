@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Write random-weight Hugging Face checkpoints for tests and benchmarks.
+
+The weights come from transformers' own model classes (``save_pretrained``,
+safetensors), so the files are byte-for-byte what the hub tooling produces; the
+tokenizer is a small byte-level BPE trained on the local Python stdlib source,
+which every machine has offline.
+
+    python tools/make_checkpoint.py --arch qwen3_moe --preset small --out .cache/demo-model
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    vocab: int  # target BPE vocab; the model's vocab_size is the trained tokenizer's real size
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width (dense archs and leading dense layers of MoE archs)
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    dense_layers: int  # leading dense layers in MoE archs that support them
+    max_pos: int
+    init_range: float  # 0.02 gives near-constant greedy output at these widths; see tests
+    shard: str  # default max_shard_size: tiny is split so the sharded-index path is always exercised
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(512, 64, 3, 4, 2, 16, 128, 8, 2, 32, 1, 512, 0.2, "200KB"),
+    "small": Preset(4096, 256, 4, 4, 2, 64, 768, 16, 4, 128, 1, 2048, 0.1, "20MB"),
+    # Qwen3-MoE-like: no dense layers, experts ~92% of bytes (~2.6 GB float32 for MoE archs).
+    "bench": Preset(8192, 1024, 12, 16, 4, 64, 12288, 64, 8, 256, 0, 4096, 0.02, "1GB"),
+}
+
+_TOKENIZERS: dict[int, Any] = {}  # vocab size -> trained tokenizers.Tokenizer (training is the slow part)
+
+
+def _corpus(cap_bytes: int) -> list[str]:
+    """A fixed, sorted slice of the stdlib source: identical on every run of one machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= cap_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if vocab_size not in _TOKENIZERS:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOT, IM_START, IM_END], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        # ~400 bytes of text per token is plenty for these merges and keeps training well under 2 s.
+        tok.train_from_iterator(_corpus(min(3 << 20, 400 * vocab_size)), trainer=trainer)
+        _TOKENIZERS[vocab_size] = tok
+    return _TOKENIZERS[vocab_size]
+
+
+def arch_config(arch: str, p: Preset, vocab: int, eot: int):
+    """The arch's own config class, fed the field names its released hub configs use."""
+    import transformers as tf
+
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads, intermediate_size=p.intermediate, max_position_embeddings=p.max_pos,
+        initializer_range=p.init_range, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
+    )
+    moe = dict(num_experts=p.experts, num_experts_per_tok=p.top_k, moe_intermediate_size=p.moe_intermediate)
+    if arch == "llama":  # llama3 rope scaling exercises the frequency-dependent rope path
+        kw.update(head_dim=p.head_dim, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": p.max_pos // 8})
+        return tf.LlamaConfig(**kw)
+    if arch == "qwen2":  # q/k/v biases are built in
+        return tf.Qwen2Config(**kw)  # head_dim = hidden / heads
+    if arch == "qwen3":  # tied lm_head exercises the shared-weight path
+        return tf.Qwen3Config(**{**kw, "tie_word_embeddings": True}, head_dim=p.head_dim)
+    if arch == "mixtral":  # every layer is MoE; expert width is `intermediate_size`
+        return tf.MixtralConfig(**{**kw, "intermediate_size": p.moe_intermediate}, head_dim=p.head_dim,
+                                num_local_experts=p.experts, num_experts_per_tok=p.top_k)
+    dense = list(range(p.dense_layers))
+    if arch == "qwen2_moe":  # shared expert + sigmoid gate, softmax top-k without renormalisation
+        return tf.Qwen2MoeConfig(**kw, **moe, shared_expert_intermediate_size=2 * p.moe_intermediate,
+                                 mlp_only_layers=dense, decoder_sparse_step=1, norm_topk_prob=False)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**kw, **moe, head_dim=p.head_dim, mlp_only_layers=dense,
+                                 decoder_sparse_step=1, norm_topk_prob=True)
+    if arch == "deepseek_v3":  # MLA + grouped sigmoid routing + YaRN, as in the released config
+        n_group = min(8, p.experts // 2)
+        kw.update(num_key_value_heads=p.heads, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": p.max_pos // 4,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+        return tf.DeepseekV3Config(
+            **kw, n_routed_experts=p.experts, num_experts_per_tok=p.top_k, moe_intermediate_size=p.moe_intermediate,
+            n_shared_experts=1, n_group=n_group, topk_group=n_group // 2, first_k_dense_replace=p.dense_layers,
+            routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=p.hidden // 2, kv_lora_rank=p.hidden // 2,
+            qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim)
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
+def build_model(arch: str, p: Preset, vocab: int, eot: int, seed: int, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = arch_config(arch, p, vocab, eot)
+    torch.manual_seed(seed)  # transformers' _init_weights draws from the global RNG
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        # Zero correction bias would leave DeepSeek's bias-for-selection path untested.
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    return model
+
+
+def write_tokenizer(tok, out: Path, max_len: int) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "pad_token": EOT,
+        "unk_token": None, "add_bos_token": False, "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False, "chat_template": CHATML,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def safetensors_sizes(folder: Path) -> dict[str, int]:
+    """name -> bytes, read from the shard headers (8-byte length + JSON), so it reports what was written."""
+    sizes: dict[str, int] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                sizes[name] = info["data_offsets"][1] - info["data_offsets"][0]
+    return sizes
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place; an old one (only reached with force) is removed afterwards."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
+                    max_shard_size: str | int | None = None, fused_experts: bool = False,
+                    force: bool = False) -> Path:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    if fused_experts and arch not in MOE_ARCHS:
+        raise ValueError(f"--fused-experts needs an MoE arch {MOE_ARCHS}, not {arch!r}")
+    p = PRESETS[preset]
+    out = Path(out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=3, desc=f"{arch}/{preset}", disable=preset != "bench", leave=False)
+    t0 = time.perf_counter()
+    tok = train_tokenizer(p.vocab)
+    eot = tok.token_to_id(EOT)
+    steps.update()
+    model = build_model(arch, p, tok.get_vocab_size(), eot, seed, getattr(torch, dtype))
+    steps.update()
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        # save_original_format=False keeps transformers' internal fused expert tensors instead of per-expert ones.
+        model.save_pretrained(tmp, max_shard_size=max_shard_size or p.shard, save_original_format=not fused_experts)
+        write_tokenizer(tok, tmp, p.max_pos)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    steps.update()
+    steps.close()
+    sizes = safetensors_sizes(out)
+    expert = sum(b for n, b in sizes.items() if ".experts." in n)
+    files = sorted(f.name for f in out.iterdir())
+    n_params = model.num_parameters()  # tied weights counted once
+    print(f"{out}: {arch}/{preset} {dtype} {n_params / 1e6:.2f}M params, {sum(sizes.values()) / 1e6:.1f} MB tensors"
+          f" ({100 * expert / max(1, sum(sizes.values())):.1f}% experts), {len(files)} files,"
+          f" {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--max-shard-size", default=None, help="e.g. 2MB (default: per preset)")
+    ap.add_argument("--fused-experts", action="store_true", help="write experts as fused [E, 2I, H] / [E, H, I]")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    a = ap.parse_args(argv)
+    try:
+        make_checkpoint(a.arch, a.preset, a.out, seed=a.seed, dtype=a.dtype, max_shard_size=a.max_shard_size,
+                        fused_experts=a.fused_experts, force=a.force)
+    except (FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
