@@ -1,0 +1,12 @@
+"""offload-engine: run Mixture-of-Experts and dense LLMs far larger than device memory."""
+from .api import Completion, Engine
+from .checkpoint.index import CheckpointIndex
+from .config import Budget
+from .errors import (BudgetError, CheckpointError, CheckpointFormatError, ConfigError, EngineClosedError, IOFault,
+                     OffloadEngineError, PlanError)
+from .spec.sampling import SamplingParams
+
+__all__ = ["Engine", "Completion", "Budget", "SamplingParams", "CheckpointIndex", "OffloadEngineError",
+           "CheckpointError", "CheckpointFormatError", "ConfigError", "BudgetError", "PlanError", "IOFault",
+           "EngineClosedError"]
+__version__ = "0.1.0"

@@ -56,7 +56,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(512, 64, 3, 4, 2, 16, 128, 8, 2, 32, 1, 512, 0.2, "200KB"),
     "small": Preset(4096, 256, 4, 4, 2, 64, 768, 16, 4, 128, 1, 2048, 0.1, "20MB"),
     # Qwen3-MoE-like: no dense layers, experts ~92% of bytes (~2.6 GB float32 for MoE archs).
-    "bench": Preset(8192, 1024, 12, 16, 4, 64, 12288, 64, 8, 256, 0, 4096, 0.02, "1GB"),
+    "bench": Preset(8192, 1024, 12, 16, 4, 64, 12288, 64, 8, 256, 0, 4096, 0.05, "1GB"),
 }
 
 _TOKENIZERS: dict[int, Any] = {}  # vocab size -> trained tokenizers.Tokenizer (training is the slow part)
@@ -175,6 +175,10 @@ def safetensors_sizes(folder: Path) -> dict[str, int]:
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished folder into place; an old one (only reached with force) is removed afterwards."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; give the usual umask-based modes
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
@@ -196,7 +200,7 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=3, desc=f"{arch}/{preset}", disable=preset != "bench", leave=False)
+    steps = tqdm(total=3, desc=f"{arch}/{preset}", disable=preset != "bench")
     t0 = time.perf_counter()
     tok = train_tokenizer(p.vocab)
     eot = tok.token_to_id(EOT)

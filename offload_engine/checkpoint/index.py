@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +16,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, CheckpointFormatError
+from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 
 HEADER_CAP = 100 * 1024 * 1024  # safetensors' own limit; OFFLOAD_ENGINE_HEADER_CAP overrides
 _MAX_ELEMENTS = 2**63
+_MAX_DIM = 2**63 - 1  # a dimension must fit an int64 even when another one is 0
 
 # safetensors dtype -> (bits per element, torch dtype or None when torch cannot hold it directly)
 DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
@@ -65,7 +67,54 @@ class ShardInfo:
 
 
 def _header_cap() -> int:
-    return int(os.environ.get("OFFLOAD_ENGINE_HEADER_CAP", HEADER_CAP))
+    raw = os.environ.get("OFFLOAD_ENGINE_HEADER_CAP")
+    if raw is None:
+        return HEADER_CAP
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"OFFLOAD_ENGINE_HEADER_CAP must be a number of bytes, found {raw!r}") from None
+
+
+def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
+    """Open read-only without blocking (a FIFO must not hang the loader) and insist on a regular file."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{what} not found") from None
+    except OSError as e:
+        raise CheckpointError(path, f"cannot open {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise CheckpointError(path, f"cannot stat {what}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointFormatError(path, f"{what} is not a regular file")
+    return fd, st
+
+
+def _pread_exact(fd: int, path: Path, n: int, offset: int, what: str) -> bytes:
+    try:
+        raw = os.pread(fd, n, offset)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot read {what}: {e.strerror}") from None
+    if len(raw) != n:  # the file shrank after fstat
+        raise CheckpointFormatError(path, f"short read of {what}: wanted {n} bytes, got {len(raw)}", offset=offset)
+    return raw
+
+
+def _parse_json(path: Path, text: str, what: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates(path))
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(path, f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise CheckpointFormatError(path, f"{what} JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer literal longer than sys.get_int_max_str_digits()
+        raise CheckpointFormatError(path, f"{what} is not acceptable JSON: {e}") from None
 
 
 def _no_duplicates(path: Path):
@@ -85,25 +134,19 @@ def _is_int(x: Any) -> bool:
 
 def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
     """Parse and fully validate one safetensors file's header against the file's real size."""
+    fd, st = _open_regular(path, "shard")
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise CheckpointError(path, f"cannot open shard: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
         size = st.st_size
         if size < 8:
             raise CheckpointFormatError(path, f"file shorter than the 8-byte header length (size {size} bytes)")
-        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        (hlen,) = struct.unpack("<Q", _pread_exact(fd, path, 8, 0, "header length"))
         cap = _header_cap()
         if hlen > cap:
             raise CheckpointFormatError(path, f"declared header length {hlen} exceeds the cap of {cap} bytes",
                                         hint="raise OFFLOAD_ENGINE_HEADER_CAP if the file is trusted")
         if 8 + hlen > size:
             raise CheckpointFormatError(path, f"header length beyond the file: declared={hlen}, file_size={size}")
-        raw = os.pread(fd, hlen, 8)
-        if len(raw) != hlen:
-            raise CheckpointFormatError(path, f"short read of header: wanted {hlen} bytes, got {len(raw)}")
+        raw = _pread_exact(fd, path, hlen, 8, "header")
     finally:
         os.close(fd)
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -113,16 +156,13 @@ def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
         raise CheckpointFormatError(path, f"header is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
     if not text.startswith("{"):
         raise CheckpointFormatError(path, "header does not start with '{' (not a safetensors file?)")
-    try:
-        header = json.loads(text, object_pairs_hook=_no_duplicates(path))
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise CheckpointFormatError(path, "header JSON nested too deeply") from None
+    header = _parse_json(path, text, "header")
     if not isinstance(header, dict):
         raise CheckpointFormatError(path, f"header must be a JSON object, found {type(header).__name__}")
 
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # absent or null (safetensors' Option); any other non-object is malformed
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointFormatError(path, "__metadata__ must map strings to strings")
 
@@ -142,10 +182,12 @@ def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: l
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointFormatError(path, f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}", tensor=name)
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointFormatError(path, f"shape must be a list of non-negative integers, found {shape!r}", tensor=name)
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
+        raise CheckpointFormatError(path, f"shape must be a list of integers in [0, 2**63), found {_short(shape)}",
+                                    tensor=name)
     if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) and o >= 0 for o in offs):
-        raise CheckpointFormatError(path, f"data_offsets must be two non-negative integers, found {offs!r}", tensor=name)
+        raise CheckpointFormatError(path, f"data_offsets must be two non-negative integers, found {_short(offs)}",
+                                    tensor=name)
     begin, end = offs
     if end < begin:
         raise CheckpointFormatError(path, f"data_offsets end {end} < begin {begin}", tensor=name)
@@ -166,9 +208,24 @@ def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: l
     return TensorRecord(name, path, data_start + begin, nbytes, dtype, tuple(shape))
 
 
+def _short(value: Any, limit: int = 120) -> str:
+    """repr() for messages, bounded: a hostile header may hold megabytes in one field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
 def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
-    """Tensors must tile the data section exactly: no overlap, no hole, no trailing bytes, nothing missing."""
+    """Tensors must tile the data section exactly: no overlap, no hole, no trailing bytes, nothing missing.
+
+    Zero-size tensors take no bytes but must still lie inside the data section: their offset is used later."""
     spans.sort()
+    past = [s for s in spans if s[1] > data_len]
+    if past:  # before the tiling checks, so the message names a tensor past the end, not a hole it left
+        begin, end, name = past[0]
+        need = max(s[1] for s in past)
+        raise CheckpointFormatError(
+            path, f"shard truncated: expected {need} data bytes, have {data_len} "
+                  f"(byte range [{begin}, {end}) is past the end)", tensor=name, hint=f"re-download {path.name}")
     pos, prev = 0, None
     for begin, end, name in spans:
         if begin == end:
@@ -179,38 +236,60 @@ def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int
             raise CheckpointFormatError(path, f"data section not fully covered: hole of {begin - pos} bytes before it",
                                         tensor=name, offset=pos)
         pos, prev = end, name
-    if pos > data_len:
-        raise CheckpointFormatError(
-            path, f"shard truncated: expected {pos} data bytes, have {max(data_len, 0)}",
-            tensor=prev, hint=f"re-download {path.name}")
     if pos < data_len:
         raise CheckpointFormatError(path, f"data section not fully covered: {data_len - pos} trailing bytes after the "
                                           f"last tensor", offset=pos)
 
 
-def _inside(root: Path, rel: str, index_path: Path) -> Path:
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
-        raise CheckpointFormatError(index_path, f"shard path {rel!r} escapes model directory (absolute or empty)")
-    candidate = (root / rel)
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where shard files may really live: the model folder, and for a Hugging Face hub cache snapshot
+    (<repo>/snapshots/<rev>/, whose files are symlinks to ../../blobs/<sha>) that repo's blobs folder."""
     real_root = root.resolve()
+    roots = [real_root]
+    blobs = real_root.parent.parent / "blobs"
+    if real_root.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(blobs)
+    return roots
+
+
+def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None) -> tuple[Path, Path]:
+    """`root / rel` and its real path, refusing names that are not plain relative paths or that resolve
+    (through `..` or symlinks) outside the model folder."""
     try:
-        candidate.resolve().relative_to(real_root)
-    except ValueError:
-        raise CheckpointFormatError(index_path, f"shard path {rel!r} escapes model directory {root}") from None
-    return candidate
+        ok = isinstance(rel, str) and rel != "" and "\x00" not in rel and bool(os.fsencode(rel))
+    except UnicodeError:  # e.g. a lone surrogate from a JSON \ud800 escape: no file can have that name
+        ok = False
+    if not ok:
+        raise CheckpointFormatError(where, f"shard path {_short(rel)} is not a valid relative file name", tensor=tensor)
+    if os.path.isabs(rel):
+        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory (absolute path)", tensor=tensor)
+    candidate = root / rel
+    try:
+        real = candidate.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
+        raise CheckpointFormatError(where, f"cannot resolve shard path {rel!r}: {e}", tensor=tensor) from None
+    if not any(real == r or r in real.parents for r in _allowed_roots(root)):
+        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory {root} (resolves to {real})",
+                                    tensor=tensor)
+    return candidate, real
+
+
+JSON_CAP = 100 * 1024 * 1024  # config / index files; real ones are a few MB at most
 
 
 def load_json(path: Path, what: str) -> dict:
+    fd, st = _open_regular(path, what)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(path, f"{what} not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"cannot read {what}: {e}") from None
+        if st.st_size > JSON_CAP:
+            raise CheckpointFormatError(path, f"{what} is {st.st_size} bytes, over the {JSON_CAP}-byte cap")
+        raw = _pread_exact(fd, path, st.st_size, 0, what)
+    finally:
+        os.close(fd)
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates(path))
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(path, f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(path, f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    data = _parse_json(path, text, what)
     if not isinstance(data, dict):
         raise CheckpointFormatError(path, f"{what} must be a JSON object")
     return data
@@ -264,19 +343,24 @@ class CheckpointIndex:
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointFormatError(index_path, "'weight_map' must be a non-empty object of tensor -> shard file")
             weight_map: dict[str, Path] = {}
+            by_real: dict[Path, Path] = {}  # "x" and "sub/../x" name one shard: read it once
             for name, rel in wm.items():
-                shard = _inside(root, rel, index_path)
-                if not shard.is_file():
+                shard, real = _inside(root, rel, index_path, tensor=name)
+                shard = by_real.setdefault(real, shard)
+                if not shard.exists():
                     raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'", tensor=name,
                                                 hint="re-download the checkpoint")
+                if not shard.is_file():
+                    raise CheckpointFormatError(index_path, f"index names shard '{rel}', which is not a regular file",
+                                                tensor=name)
                 weight_map[name] = shard
             return sorted(set(weight_map.values())), weight_map, index_path
         single = root / "model.safetensors"
-        if single.is_file():
+        if single.exists() or single.is_symlink():
             _inside(root, single.name, single)
             return [single], None, None
         others = sorted(root.glob("*.safetensors"))
-        if len(others) == 1:
+        if len(others) == 1:  # read_shard_header refuses it if it is not a regular file
             _inside(root, others[0].name, others[0])
             return others, None, None
         if others:

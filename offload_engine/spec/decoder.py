@@ -183,12 +183,12 @@ def drive(stepper: Stepper, prompt_ids: list[int], state: GenerationState) -> It
 
     Timing counts only the stepper's own work, not the time the consumer holds the generator suspended.
     """
-    start = time.perf_counter()
-    pending = stepper.prefill(prompt_ids)
-    prefill_s = time.perf_counter() - start
-    decode_s = 0.0
+    prefill_s = decode_s = 0.0
     unused = 0
     try:
+        start = time.perf_counter()
+        pending = stepper.prefill(prompt_ids)
+        prefill_s = time.perf_counter() - start
         while True:
             for i, token in enumerate(pending):
                 yield state.add(token)

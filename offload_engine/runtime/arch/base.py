@@ -141,12 +141,13 @@ class StandardDecoder:
                 add("self_attn.q_norm.weight", (D,))
                 add("self_attn.k_norm.weight", (D,))
             if l in a.moe_layers:
-                add(f"{a.moe_prefix}.gate.weight", (s.num_experts, H))
+                # transformers 5's fused layout puts every family's MoE block under "mlp" (Mixtral included)
+                moe = "mlp" if fused_experts else a.moe_prefix
+                schema.add(key, "router", TensorSpec(f"{p}{moe}.gate.weight", (s.num_experts, H)))
                 if a.shared_intermediate_size:
-                    add_gated_mlp(schema, key, f"{p}{a.moe_prefix}.shared_expert.", "shared.",
-                                  a.shared_intermediate_size, H)
-                    add(f"{a.moe_prefix}.shared_expert_gate.weight", (1, H))
-                add_experts(schema, l, p, a.moe_prefix, s.num_experts, a.moe_intermediate_size, H, a.expert_names,
+                    add_gated_mlp(schema, key, f"{p}{moe}.shared_expert.", "shared.", a.shared_intermediate_size, H)
+                    schema.add(key, "shared_gate", TensorSpec(f"{p}{moe}.shared_expert_gate.weight", (1, H)))
+                add_experts(schema, l, p, moe, s.num_experts, a.moe_intermediate_size, H, a.expert_names,
                             fused_experts)
             else:
                 add_gated_mlp(schema, key, f"{p}mlp.", "mlp.", s.intermediate_size, H)
@@ -199,14 +200,14 @@ class StandardOps:
         return gated_mlp(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"], self.act)
 
     def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, w[f"{self.a.moe_prefix}.gate.weight"])
+        logits = F.linear(x, w["router"])
         return softmax_topk(logits, self.s.num_experts_per_tok, self.a.norm_topk_prob)
 
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.shared_intermediate_size:
             return None
         y = gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
-        return torch.sigmoid(F.linear(x, w[f"{self.a.moe_prefix}.shared_expert_gate.weight"])) * y
+        return torch.sigmoid(F.linear(x, w["shared_gate"])) * y
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return expert_forward(w, x, self.act)

@@ -1,0 +1,170 @@
+"""offload-engine: run | inspect. Each subcommand parses, calls the API or planner, and prints.
+
+Exit codes: 0 ok, 2 bad input (flags, checkpoint), 3 resources (budget, I/O), 130 interrupted.
+Errors print one line without a traceback unless --debug.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .errors import OffloadEngineError
+from .units import format_bytes
+
+RUN_EXAMPLES = """examples:
+  offload-engine run --prompt "def fibonacci(n):"
+  offload-engine run --model ~/models/Qwen3-30B-A3B --ram 48GiB --prompt "Hello" --max-new-tokens 64 --stats
+  offload-engine run --model DIR --temperature 0.7 --top-p 0.9 --seed 1 --json
+"""
+INSPECT_EXAMPLES = """examples:
+  offload-engine inspect ~/models/Qwen3-30B-A3B
+  offload-engine inspect DIR --json
+"""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload-engine",
+                                     description="Run MoE and dense LLMs far larger than device memory.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text", epilog=RUN_EXAMPLES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--model", help="Hugging Face folder (config.json + *.safetensors); default: the bundled model")
+    run.add_argument("--prompt", required=True, help="prompt text")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
+    run.add_argument("--vram", help="device memory budget, same forms as --ram")
+    run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
+    run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    run.add_argument("--stats", action="store_true", help="print a one-line summary after generation")
+    _common(run)
+    run.set_defaults(func=cmd_run)
+
+    ins = sub.add_parser("inspect", help="describe a checkpoint without loading it", epilog=INSPECT_EXAMPLES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ins.add_argument("model", help="Hugging Face folder")
+    ins.add_argument("--json", action="store_true")
+    _common(ins)
+    ins.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.quiet and not getattr(args, "json", False) and sys.stderr.isatty()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .api import Engine
+    from .config import Budget
+    from .defaults import default_model_path
+    from .spec.decoder import FinishEvent
+
+    model = args.model or default_model_path()
+    with Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
+                     allow_cast=args.allow_cast, progress=_progress(args)) as engine:
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+        finish = None
+        for event in engine.stream(args.prompt, chat=args.chat, **sampling):
+            if isinstance(event, FinishEvent):
+                finish = event
+            elif not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        assert finish is not None
+        stats = engine._stats(finish)
+        if args.json:
+            print(json.dumps({"text": finish.text, "token_ids": finish.token_ids, "finish_reason": finish.reason,
+                              "stats": stats}))
+        else:
+            sys.stdout.write("\n")
+            if args.stats:
+                print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    return (f"[{stats['generated_tokens']} tokens | prefill {stats['prefill_tok_s']:.1f} tok/s | "
+            f"decode {stats['decode_tok_s']:.2f} tok/s | {stats['device']} {stats['dtype']}]")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint.model import open_model
+    from .planner.sizes import param_counts
+
+    ck = open_model(args.model)
+    counts = param_counts(ck.schema, ck.spec.num_experts_per_tok)
+    report = {
+        "path": str(ck.root),
+        "model_type": ck.spec.model_type,
+        "architectures": ck.spec.get("architectures"),
+        "dtype": ck.spec.dtype,
+        "layers": ck.spec.num_layers,
+        "experts": ck.spec.num_experts,
+        "experts_per_token": ck.spec.num_experts_per_tok,
+        "fused_experts": ck.fused_experts,
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "params_mtp": counts.mtp,
+        "bytes_total": ck.total_bytes,
+        "bytes_by_kind": ck.bytes_by_kind(),
+        "units_by_kind": {k: sum(1 for key in ck.layouts if key.kind == k) for k in ck.bytes_by_kind()},
+        "shards": [{"file": s.path.name, "bytes": s.size, "tensors": sum(1 for r in ck.index.tensors.values()
+                                                                          if r.file == s.path)}
+                   for s in ck.index.shards],
+        "unused_tensors": ck.unused_tensors,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['path']}: {report['model_type']} ({', '.join(report['architectures'] or [])}), {report['dtype']}")
+    print(f"  layers {report['layers']}, experts {report['experts']} (top-{report['experts_per_token']})"
+          f"{', fused expert tensors' if ck.fused_experts else ''}")
+    print(f"  parameters: {counts.total / 1e9:.3f} B total, {counts.active / 1e9:.3f} B active per token"
+          + (f", {counts.mtp / 1e9:.3f} B MTP" if counts.mtp else ""))
+    print(f"  bytes: {format_bytes(ck.total_bytes)}")
+    for kind, n in sorted(report["bytes_by_kind"].items(), key=lambda kv: -kv[1]):
+        print(f"    {kind:<7} {format_bytes(n):>12}  {100 * n / ck.total_bytes:5.1f}%  "
+              f"({report['units_by_kind'][kind]} units)")
+    print(f"  shards ({len(report['shards'])}):")
+    for s in report["shards"]:
+        print(f"    {s['file']}  {format_bytes(s['bytes'])}  {s['tensors']} tensors")
+    if ck.unused_tensors:
+        print(f"  unused tensors ({len(ck.unused_tensors)}): {', '.join(ck.unused_tensors[:5])}"
+              f"{' ...' if len(ck.unused_tensors) > 5 else ''}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except OffloadEngineError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sizes, costs and placement: pure functions of the model's schema, the budget and the hardware."""

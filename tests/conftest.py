@@ -1,0 +1,32 @@
+"""Shared fixtures: small real checkpoints written by tools/make_checkpoint.py (transformers' own classes)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.make_checkpoint import make_checkpoint  # noqa: E402
+
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
+    """checkpoint_factory(arch, preset="tiny", **options) -> folder, built once per session per options."""
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("checkpoints")
+
+    def build(arch: str, preset: str = "tiny", **options) -> Path:
+        key = (arch, preset, tuple(sorted(options.items())))
+        if key not in cache:
+            name = "-".join([arch, preset] + [f"{k}={v}" for k, v in sorted(options.items())])
+            cache[key] = make_checkpoint(arch, preset, root / name, **options)
+        return cache[key]
+
+    return build
