@@ -154,9 +154,11 @@ def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointFormatError(path, f"header is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
+    del raw  # peak memory: one copy of a (possibly 100 MB) header at a time
     if not text.startswith("{"):
         raise CheckpointFormatError(path, "header does not start with '{' (not a safetensors file?)")
     header = _parse_json(path, text, "header")
+    del text
     if not isinstance(header, dict):
         raise CheckpointFormatError(path, f"header must be a JSON object, found {type(header).__name__}")
 
@@ -170,8 +172,8 @@ def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
     data_len = size - data_start
     records: list[TensorRecord] = []
     spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        records.append(_validate_entry(path, name, entry, data_start, spans))
+    for name in list(header):  # each parsed entry is dropped as its (smaller) record is made: no double peak
+        records.append(_validate_entry(path, name, header.pop(name), data_start, spans))
     _check_coverage(path, spans, data_len)
     return ShardInfo(path, size, data_start, identity, metadata), records
 
@@ -181,7 +183,7 @@ def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: l
         raise CheckpointFormatError(path, "header entry must be an object", tensor=name)
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CheckpointFormatError(path, f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}", tensor=name)
+        raise CheckpointFormatError(path, f"unsupported dtype {_short(dtype)}; expected one of {sorted(DTYPES)}", tensor=name)
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
         raise CheckpointFormatError(path, f"shape must be a list of integers in [0, 2**63), found {_short(shape)}",
                                     tensor=name)
