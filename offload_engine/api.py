@@ -15,12 +15,17 @@ import torch
 
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
-from .errors import BudgetError, ConfigError, EngineClosedError
+from .errors import ConfigError, EngineClosedError
+from .planner.placement import Placement
 from .runtime.model import CausalLM
 from .spec.decoder import FinishEvent, TokenEvent, decode_stream
 from .spec.sampling import SamplingParams
-from .store.resident import ResidentWeights
+from .store.build import build_store, plan_for
+from .store.store import ReadFn, TieredStore
 from .tokenizer import Tokenizer
+
+
+DEFAULT_CONTEXT = 4096
 
 
 @dataclass
@@ -33,16 +38,20 @@ class Completion:
 
 class Engine:
     def __init__(self, checkpoint: ModelCheckpoint, model: CausalLM, tokenizer: Tokenizer | None,
-                 budget: Budget, device: torch.device, dtype: torch.dtype):
-        self.checkpoint, self.model, self.tokenizer = checkpoint, model, tokenizer
-        self.budget, self.device, self.dtype = budget, device, dtype
+                 store: TieredStore, device: torch.device, dtype: torch.dtype):
+        self.checkpoint, self.model, self.tokenizer, self.store = checkpoint, model, tokenizer, store
+        self.device, self.dtype = device, dtype
         self._lock = threading.Lock()
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, *, allow_cast: bool = False, progress: bool = False) -> "Engine":
+             dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
+             direct_io: str = "auto", allow_cast: bool = False, progress: bool = False,
+             read_fn: ReadFn | None = None) -> "Engine":
+        """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
+        weight is read. `read_fn` replaces the disk read of one byte range (fault-injection tests)."""
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
@@ -50,14 +59,25 @@ class Engine:
         compute_dtype = resolve_dtype(dtype, dev)
         checkpoint = open_model(path, allow_cast=allow_cast)
         resolved = budget.resolve(checkpoint.total_bytes)
-        _check_fits(checkpoint, resolved.host, resolved.device, compute_dtype)
-        source = ResidentWeights(checkpoint, dev, compute_dtype, progress=progress)
-        model = CausalLM(checkpoint, source, dev, compute_dtype)
+        context = max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
+        ops = checkpoint.arch.ops(checkpoint.args, dev, compute_dtype)
+        kv_bytes = context * ops.kv_bytes_per_token(torch.empty((), dtype=compute_dtype).element_size())
+        placement, use_direct = plan_for(checkpoint, resolved, dev, kv_bytes, direct_io)
+        store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn)
+        model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context)
         tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
-        return cls(checkpoint, model, tokenizer, budget, dev, compute_dtype)
+        return cls(checkpoint, model, tokenizer, store, dev, compute_dtype)
+
+    @property
+    def placement(self) -> Placement:
+        return self.store.placement
 
     def close(self) -> None:
-        self._closed = True
+        """Idempotent: joins the reader threads and frees every slot."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.store.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -86,7 +106,12 @@ class Engine:
         params = SamplingParams(**sampling)
         ids = self.encode(prompt, chat)
         with self._lock:
-            yield from decode_stream(self.model, ids, params, self.tokenizer)
+            self._check_open()
+            before = self.store.stats.snapshot()
+            for event in decode_stream(self.model, ids, params, self.tokenizer):
+                if isinstance(event, FinishEvent):
+                    event.stats = self.stats(event, before)
+                yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
         finish = None
@@ -94,7 +119,7 @@ class Engine:
             if isinstance(event, FinishEvent):
                 finish = event
         assert finish is not None
-        return Completion(finish.text, finish.token_ids, finish.reason, self._stats(finish))
+        return Completion(finish.text, finish.token_ids, finish.reason, finish.stats)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -104,10 +129,14 @@ class Engine:
         if ids.numel() == 0:
             raise ConfigError("logits(): token_ids is empty")
         with self._lock:
+            self._check_open()
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
-    def _stats(self, finish: FinishEvent) -> dict[str, Any]:
+    def stats(self, finish: FinishEvent, before: dict | None = None) -> dict[str, Any]:
+        """Per-request figures (store counters as deltas from `before`, a store snapshot taken at its start)."""
         n = len(finish.token_ids)
+        store = _delta(self.store.stats.snapshot(), before or {})
+        ledger = self.store.ledger
         return {
             "prompt_tokens": finish.prefill_tokens,
             "generated_tokens": n,
@@ -115,15 +144,33 @@ class Engine:
             "decode_s": round(finish.decode_s, 6),
             "prefill_tok_s": finish.prefill_tokens / finish.prefill_s if finish.prefill_s > 0 else 0.0,
             "decode_tok_s": finish.decode_tokens_per_s,
+            **store,
+            "bytes_read_disk_per_token": store["bytes_read_disk"] / max(n, 1),
+            "hit_rate": _hit_rate(store, self.store.compute.name),
+            "budget_bytes": _tiers(ledger.budgets()),
+            "peak_bytes": _tiers(ledger.peak()),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
 
 
-def _check_fits(checkpoint: ModelCheckpoint, host: int | None, device: int | None, dtype: torch.dtype) -> None:
-    """Until the tiered store lands, every weight is resident: the model must fit the RAM budget."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    need = sum(s.numel * itemsize for specs in checkpoint.schema.units.values() for s in specs.values())
-    if host is not None and need > host:
-        raise BudgetError("ram", need, host, {"weights (resident, compute dtype)": need},
-                          hint="streaming weights from disk within a smaller budget is not available yet")
+def _hit_rate(store: dict, tier: str) -> float:
+    """Share of unit acquisitions served by the compute tier without a read or copy."""
+    looked = store["hits"][tier] + store["misses"][tier]
+    return store["hits"][tier] / looked if looked else 1.0
+
+
+def _tiers(values: dict[str, int | None]) -> dict[str, int | None]:
+    """Ledger accounts -> {"device", "host"}; on CPU without --vram the one RAM tier is the host tier."""
+    return {"device": values.get("device", 0), "host": values.get("host", 0)}
+
+
+def _delta(now: dict, before: dict) -> dict:
+    out = {}
+    for k, v in now.items():
+        b = before.get(k)
+        if isinstance(v, dict):
+            out[k] = {kk: vv - (b or {}).get(kk, 0) for kk, vv in v.items()}
+        else:
+            out[k] = v - (b or 0)
+    return out

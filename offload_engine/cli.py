@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
+    run.add_argument("--context", type=int, help="KV cache positions reserved in the budget (default 4096)")
+    run.add_argument("--policy", default="layer-lru", choices=["layer-lru", "lru", "lfu"],
+                     help="expert cache eviction policy")
+    run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
+                     help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
+    run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     run.add_argument("--stats", action="store_true", help="print a one-line summary after generation")
@@ -77,7 +83,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     model = args.model or default_model_path()
     with Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
+                     max_context=args.context, policy=args.policy, direct_io=args.direct_io,
                      allow_cast=args.allow_cast, progress=_progress(args)) as engine:
+        if args.show_plan:
+            print(engine.placement.describe(), file=sys.stderr)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
         finish = None
@@ -88,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
         assert finish is not None
-        stats = engine._stats(finish)
+        stats = finish.stats
         if args.json:
             print(json.dumps({"text": finish.text, "token_ids": finish.token_ids, "finish_reason": finish.reason,
                               "stats": stats}))
@@ -100,8 +109,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def format_stats(stats: dict[str, Any]) -> str:
+    hit_rate = 100 * stats["hit_rate"]
+    peak = stats["peak_bytes"]
     return (f"[{stats['generated_tokens']} tokens | prefill {stats['prefill_tok_s']:.1f} tok/s | "
-            f"decode {stats['decode_tok_s']:.2f} tok/s | {stats['device']} {stats['dtype']}]")
+            f"decode {stats['decode_tok_s']:.2f} tok/s | hit rate {hit_rate:.1f}% | "
+            f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
+            f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
+            f"{stats['device']} {stats['dtype']}]")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -48,15 +48,32 @@ class Preset:
     moe_intermediate: int
     dense_layers: int  # leading dense layers in MoE archs that support them
     max_pos: int
-    init_range: float  # 0.02 gives near-constant greedy output at these widths; see tests
+    init_range: float  # 0.02 makes greedy output near-constant at these widths (checked in tests)
     shard: str  # default max_shard_size: tiny is split so the sharded-index path is always exercised
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(512, 64, 3, 4, 2, 16, 128, 8, 2, 32, 1, 512, 0.2, "200KB"),
-    "small": Preset(4096, 256, 4, 4, 2, 64, 768, 16, 4, 128, 1, 2048, 0.1, "20MB"),
-    # Qwen3-MoE-like: no dense layers, experts ~92% of bytes (~2.6 GB float32 for MoE archs).
-    "bench": Preset(8192, 1024, 12, 16, 4, 64, 12288, 64, 8, 256, 0, 4096, 0.05, "1GB"),
+    # Parity tests: every code path (dense + MoE layer, GQA, sharded index) at negligible size.
+    "tiny": Preset(vocab=512, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                   experts=8, top_k=2, moe_intermediate=32, dense_layers=1, max_pos=512, init_range=0.2,
+                   shard="200KB"),
+    # Offload tests: experts ~97% of bytes, so budgets of 10-25% of the model still hold the minimum working set.
+    "offload": Preset(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                      experts=64, top_k=4, moe_intermediate=128, dense_layers=0, max_pos=512, init_range=0.2,
+                      shard="4MB"),
+    # Memory tests: ~100 MB, experts ~98%, so a 25% budget is far above the minimum working set and far below
+    # the model, and the process's real memory shows whether the budget holds.
+    "medium": Preset(vocab=512, hidden=512, layers=4, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
+                     experts=64, top_k=4, moe_intermediate=256, dense_layers=0, max_pos=512, init_range=0.05,
+                     shard="50MB"),
+    # Demo model: a few tens of MB.
+    "small": Preset(vocab=4096, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768,
+                    experts=16, top_k=4, moe_intermediate=128, dense_layers=1, max_pos=2048, init_range=0.1,
+                    shard="20MB"),
+    # Qwen3-MoE-like, no dense layers: ~2.6 GB float32, experts ~90% of bytes for MoE archs.
+    "bench": Preset(vocab=8192, hidden=1024, layers=12, heads=16, kv_heads=4, head_dim=64, intermediate=12288,
+                    experts=64, top_k=8, moe_intermediate=256, dense_layers=0, max_pos=4096, init_range=0.05,
+                    shard="1GB"),
 }
 
 _TOKENIZERS: dict[int, Any] = {}  # vocab size -> trained tokenizers.Tokenizer (training is the slow part)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import CheckpointFormatError
+from .index import TORCH_DTYPE_NAMES
 
 MAX_LAYERS = 4096  # sanity cap (cf. llama.cpp #25821): real models have < 200
 
@@ -53,6 +54,16 @@ class ModelSpec:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.raw.get(key, default)
+
+    def require_int(self, key: str) -> int:
+        value = self.raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointFormatError(self.path, f"field '{key}' must be a positive integer for model_type "
+                                                   f"{self.model_type}, found {value!r}")
+        return value
+
+    def unsupported(self, feature: str) -> CheckpointFormatError:
+        return CheckpointFormatError(self.path, f"{feature} is not supported for model_type {self.model_type}")
 
 
 class _Reader:
@@ -121,8 +132,9 @@ def parse_config(cfg: Mapping[str, Any], path: Path | str = "config.json") -> Mo
     heads = r.int("num_attention_heads")
     head_dim = r.int("head_dim", default=hidden // heads)
     dtype = r.first("dtype", "torch_dtype", default="float32")
-    if not isinstance(dtype, str):
-        raise CheckpointFormatError(path, f"field 'torch_dtype' must be a string, found {dtype!r}")
+    if not isinstance(dtype, str) or dtype.replace("torch.", "") not in TORCH_DTYPE_NAMES:
+        raise CheckpointFormatError(path, f"field 'torch_dtype' must name a floating dtype "
+                                          f"({', '.join(sorted(TORCH_DTYPE_NAMES))}), found {dtype!r}")
     return ModelSpec(
         model_type=model_type,
         vocab_size=r.int("vocab_size"),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointFormatError
+from ..errors import CheckpointFormatError
 from .hf_config import ModelSpec, parse_config
 from .index import FLOAT_DTYPES, TORCH_DTYPE_NAMES, CheckpointIndex
 from .layout import UnitLayout, build_layout
@@ -53,6 +53,11 @@ def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelChe
     if spec.num_layers > len(index.tensors):
         raise CheckpointFormatError(config_path, f"num_hidden_layers={spec.num_layers} but the checkpoint holds only "
                                                  f"{len(index.tensors)} tensors")
+    quant = spec.get("quantization_config")
+    if quant is not None:  # FP8 block scales etc.: loading the raw values would give silently wrong logits
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointFormatError(config_path, f"quantized checkpoints (quant_method={method!r}) are not supported "
+                                                 f"yet", hint="use a bf16/fp16/fp32 checkpoint")
     args = arch.args(spec)
     fused = any(_FUSED_EXPERTS.search(n) for n in index.tensors)
     schema = arch.schema(args, fused_experts=fused)
@@ -83,6 +88,8 @@ def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema,
             elif tuple(rec.shape) != tuple(expected):
                 raise CheckpointFormatError(rec.file, f"shape {list(rec.shape)} disagrees with config.json: expected "
                                                       f"{list(expected)}", tensor=rec.name)
+            if ts.dtype == "any":  # e.g. routers kept in float32 inside bf16 checkpoints (DeepSeek-V3)
+                continue
             if ts.dtype is not None and rec.dtype != ts.dtype:
                 dtype_mismatches.append((rec, ts.dtype))
             elif (ts.dtype is None and want_dtype and not quantized and rec.dtype in FLOAT_DTYPES

@@ -31,7 +31,7 @@ class TensorSpec:
     hf_name: str  # name in the checkpoint
     shape: tuple[int, ...]  # shape of this unit's part (for fused experts: one expert's slice)
     index: int | None = None  # fused `[E, ...]` tensor: which slice along dim 0
-    dtype: str | None = None  # expected safetensors dtype, when it is fixed by the format rather than the config
+    dtype: str | None = None  # expected safetensors dtype when fixed by the format; "any": any float dtype
 
     @property
     def numel(self) -> int:

@@ -8,16 +8,18 @@ import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
+from ..errors import BudgetError
 from .kv_cache import KVCache
 from .layers import causal_mask
-from .moe import moe_combine, routed_experts
+from .moe import combine, expert_part, routed_experts
 from .weights import Weights, WeightSource
 
 
 class CausalLM:
     """forward(tokens, cache) -> float32 logits; the architecture computes, the source supplies weights."""
 
-    def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype):
+    def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype,
+                 max_context: int | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
@@ -25,8 +27,12 @@ class CausalLM:
         self.ops = checkpoint.arch.ops(checkpoint.args, device, dtype)
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
+        self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
 
     def new_cache(self, max_tokens: int) -> KVCache:
+        if self.max_context is not None and max_tokens > self.max_context:
+            raise BudgetError("kv-cache", max_tokens, self.max_context,
+                              hint="prompt + max_new_tokens exceed the context reserved; pass a larger max_context")
         return KVCache(self.num_layers, max_tokens, self.device)
 
     @contextmanager
@@ -66,10 +72,12 @@ class CausalLM:
     def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
         indices, weights = self.ops.route(layer, w, h)
         keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices)]
-        try:
-            arrivals = ((key.expert, ew) for key, ew in self.source.acquire(keys))
-            out = moe_combine(h, indices, weights, arrivals, self.ops.expert)
-        finally:
-            self.source.release(keys)
+        parts = {}
+        for key, ew in self.source.acquire(keys):  # resident experts first, the rest as their reads land
+            try:
+                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
+            finally:
+                self.source.release([key])  # frees the slot for the next expert's read
+        out = combine(h, parts)
         shared = self.ops.shared_experts(layer, w, h)
         return out if shared is None else out + shared

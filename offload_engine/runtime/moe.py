@@ -6,7 +6,7 @@ and therefore of placement and prefetch timing.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -17,14 +17,15 @@ def routed_experts(indices: torch.Tensor) -> list[int]:
     return torch.unique(indices).tolist()
 
 
-def moe_combine(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                arrivals: Iterable[tuple[int, Mapping[str, torch.Tensor]]], expert_fn: ExpertFn) -> torch.Tensor:
-    """x [T, H]; indices/weights [T, k]; arrivals yields (expert id, weights) for every routed expert."""
-    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for e, w in arrivals:
-        tok, slot = torch.where(indices == e)
-        y = expert_fn(w, x[tok]) * weights[tok, slot, None].to(x.dtype)
-        parts[e] = (tok, y)
+def expert_part(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, expert: int,
+                w: Mapping[str, torch.Tensor], expert_fn: ExpertFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's weighted output for the tokens routed to it: (token rows, [n, H])."""
+    tok, slot = torch.where(indices == expert)
+    return tok, expert_fn(w, x[tok]) * weights[tok, slot, None].to(x.dtype)
+
+
+def combine(x: torch.Tensor, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Sum the experts' parts in ascending expert order (arrival order must not change the bits)."""
     out = torch.zeros_like(x)
     for e in sorted(parts):
         tok, y = parts[e]

@@ -42,6 +42,7 @@ class FinishEvent:
     prefill_tokens: int
     prefill_s: float
     decode_s: float
+    stats: dict[str, Any] = field(default_factory=dict)  # filled in by the engine
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -27,6 +27,7 @@ Weights = Mapping[str, torch.Tensor]
 class LayerOps(Protocol):
     """What the runtime calls for one model; `w` is always the tensors of one unit, by local name."""
 
+    def kv_bytes_per_token(self, itemsize: int) -> int: ...
     def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor: ...
     def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
     def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
@@ -163,6 +164,10 @@ class StandardOps:
         self.act = activation(self.s.hidden_act)
         self.rotary = Rotary(self.s.rope, self.s.head_dim, self.s.max_position_embeddings, device)
         self.dtype = dtype
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of every layer for one position (what the KV cache stores)."""
+        return 2 * self.s.num_kv_heads * self.s.head_dim * self.s.num_layers * itemsize
 
     # embedding and head
     def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor:

@@ -53,11 +53,11 @@ def _require(spec: ModelSpec, field: str, value, allowed: tuple) -> None:
                           f"{', '.join(map(repr, allowed))}")
 
 
-def _int(spec: ModelSpec, field: str, default: int | None = None) -> int:
+def _int(spec: ModelSpec, field: str, default: int | None = None, minimum: int = 1) -> int:
     value = spec.get(field)
-    value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{spec.path}: {field} must be an integer >= 0, found {value!r}")
+    value = default if value is None else value  # null in config.json means the default
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{spec.path}: {field} must be an integer >= {minimum}, found {value!r}")
     return value
 
 
@@ -74,7 +74,7 @@ def _check_routing(spec: ModelSpec, n_group: int, topk_group: int) -> None:
     _require(spec, "scoring_func", spec.get("scoring_func"), ("sigmoid",))
     _require(spec, "topk_method", spec.get("topk_method"), ("noaux_tc",))
     E, k = spec.num_experts, spec.num_experts_per_tok
-    if E and (n_group < 1 or E % n_group):
+    if E and E % n_group:
         raise ConfigError(f"{spec.path}: n_group={n_group} must divide n_routed_experts={E}")
     if E and not 1 <= topk_group <= n_group:
         raise ConfigError(f"{spec.path}: topk_group={topk_group} must be in [1, n_group={n_group}]")
@@ -84,13 +84,11 @@ def _check_routing(spec: ModelSpec, n_group: int, topk_group: int) -> None:
 
 
 def _args(spec: ModelSpec) -> DeepseekV3Args:
-    n_group, topk_group = _int(spec, "n_group", 1) or 1, _int(spec, "topk_group", 1) or 1
+    n_group, topk_group = _int(spec, "n_group", 1), _int(spec, "topk_group", 1)
     _check_routing(spec, n_group, topk_group)
     q_lora = spec.get("q_lora_rank")
     nope, rope = _int(spec, "qk_nope_head_dim"), _int(spec, "qk_rope_head_dim")
-    first_dense, freq = _int(spec, "first_k_dense_replace", 0), _int(spec, "moe_layer_freq", 1)
-    if freq < 1:
-        raise ConfigError(f"{spec.path}: moe_layer_freq must be >= 1, found {freq}")
+    first_dense, freq = _int(spec, "first_k_dense_replace", 0, minimum=0), _int(spec, "moe_layer_freq", 1)
     # DeepSeek's rule (transformers drops moe_layer_freq; every release uses 1, where both agree)
     moe = frozenset(l for l in range(spec.num_layers) if spec.num_experts and l >= first_dense and l % freq == 0)
     return DeepseekV3Args(
@@ -98,11 +96,11 @@ def _args(spec: ModelSpec) -> DeepseekV3Args:
         norm_topk_prob=bool(spec.get("norm_topk_prob", True)),
         q_lora_rank=None if q_lora is None else _int(spec, "q_lora_rank"), kv_lora_rank=_int(spec, "kv_lora_rank"),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=_int(spec, "v_head_dim"),
-        n_shared_experts=_int(spec, "n_shared_experts", 0) or 0, first_k_dense_replace=first_dense,
+        n_shared_experts=_int(spec, "n_shared_experts", 0, minimum=0), first_k_dense_replace=first_dense,
         moe_layer_freq=freq, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=float(spec.get("routed_scaling_factor", 1.0)),
+        routed_scaling_factor=float(spec.get("routed_scaling_factor") or 1.0),
         rope_interleave=bool(spec.get("rope_interleave", True)), attention_bias=bool(spec.get("attention_bias")),
-        num_nextn_predict_layers=_int(spec, "num_nextn_predict_layers", 0) or 0,
+        num_nextn_predict_layers=_int(spec, "num_nextn_predict_layers", 0, minimum=0),
         softmax_scale=_softmax_scale(spec, nope + rope))
 
 
@@ -114,8 +112,8 @@ class DeepseekV3Decoder(StandardDecoder):
         for l in range(s.num_layers):
             key, p = UnitKey(l, "dense"), f"model.layers.{l}."
 
-            def add(local: str, shape: tuple[int, ...]) -> None:
-                schema.add(key, local, TensorSpec(p + local, shape))
+            def add(local: str, shape: tuple[int, ...], dtype: str | None = None) -> None:
+                schema.add(key, local, TensorSpec(p + local, shape, dtype=dtype))
 
             add("input_layernorm.weight", (H,))
             add("post_attention_layernorm.weight", (H,))
@@ -137,8 +135,9 @@ class DeepseekV3Decoder(StandardDecoder):
             if l not in a.moe_layers:
                 add_gated_mlp(schema, key, f"{p}mlp.", "mlp.", s.intermediate_size, H)
                 continue
-            add("mlp.gate.weight", (s.num_experts, H))
-            add("mlp.gate.e_score_correction_bias", (s.num_experts,))  # often F32 in bf16 releases: dtype unchecked
+            # Router: F32 beside BF16 is common (released bias; transformers 5 keeps both in fp32 when saving)
+            add("mlp.gate.weight", (s.num_experts, H), dtype="any")
+            add("mlp.gate.e_score_correction_bias", (s.num_experts,), dtype="any")
             if a.n_shared_experts:
                 add_gated_mlp(schema, key, f"{p}mlp.shared_experts.", "shared.",
                               a.moe_intermediate_size * a.n_shared_experts, H)
@@ -166,6 +165,10 @@ class DeepseekV3Ops(StandardOps):
         self.a: DeepseekV3Args = a
         self.rotary = Rotary(a.spec.rope, a.qk_rope_head_dim, a.spec.max_position_embeddings, device)
         self.absorb = absorb
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """The latent and the rope key of every layer: far less than per-head K/V."""
+        return (self.a.kv_lora_rank + self.a.qk_rope_head_dim) * self.s.num_layers * itemsize
 
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,12 +1,11 @@
 """Llama 2/3 (and Mistral-style) dense decoders."""
 from ...checkpoint.hf_config import ModelSpec
-from ...errors import ConfigError
 from .base import DecoderArgs, StandardDecoder
 
 
 def _args(spec: ModelSpec) -> DecoderArgs:
     if spec.get("mlp_bias"):
-        raise ConfigError(f"{spec.path}: mlp_bias=true is not supported for llama")
+        raise spec.unsupported("mlp_bias=true")
     bias = bool(spec.get("attention_bias", False))
     return DecoderArgs(spec, qkv_bias=bias, o_bias=bias)
 

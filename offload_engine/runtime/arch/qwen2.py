@@ -1,12 +1,11 @@
 """Qwen2 / Qwen2.5 dense decoders: biased Q/K/V projections."""
 from ...checkpoint.hf_config import ModelSpec
-from ...errors import ConfigError
 from .base import DecoderArgs, StandardDecoder
 
 
 def check_no_sliding_window(spec: ModelSpec) -> None:
     if spec.get("use_sliding_window"):
-        raise ConfigError(f"{spec.path}: use_sliding_window=true is not supported yet")
+        raise spec.unsupported("use_sliding_window=true")
 
 
 def _args(spec: ModelSpec) -> DecoderArgs:

@@ -11,7 +11,7 @@ def moe_layers(spec: ModelSpec):
 def _args(spec: ModelSpec) -> DecoderArgs:
     check_no_sliding_window(spec)
     return DecoderArgs(spec, qkv_bias=bool(spec.get("qkv_bias", True)), moe_layers=moe_layers(spec),
-                       moe_intermediate_size=int(spec.get("moe_intermediate_size")),
+                       moe_intermediate_size=spec.require_int("moe_intermediate_size"),
                        norm_topk_prob=bool(spec.get("norm_topk_prob", False)),
                        shared_intermediate_size=int(spec.get("shared_expert_intermediate_size") or 0))
 

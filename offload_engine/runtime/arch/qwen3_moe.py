@@ -9,7 +9,7 @@ def _args(spec: ModelSpec) -> DecoderArgs:
     check_no_sliding_window(spec)
     bias = bool(spec.get("attention_bias", False))
     return DecoderArgs(spec, qkv_bias=bias, o_bias=bias, qk_norm=True, moe_layers=moe_layers(spec),
-                       moe_intermediate_size=int(spec.get("moe_intermediate_size")),
+                       moe_intermediate_size=spec.require_int("moe_intermediate_size"),
                        norm_topk_prob=bool(spec.get("norm_topk_prob", False)))
 
 

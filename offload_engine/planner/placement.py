@@ -1,0 +1,142 @@
+"""Initial placement: which units are pinned where, and how many cache slots each tier gets. A pure function.
+
+Tiers, fastest first: the compute tier ("device": VRAM on CUDA, a budgeted RAM pool on CPU when --vram is
+given) and "host" (RAM; pinned on CUDA). The checkpoint on disk is the tier below both. Every unit kind has one
+slot size (its largest unit), so slots are allocated once and any unit of the kind fits any slot of the kind.
+
+Order of preference on each tier: the KV cache (compute tier only), then whole kinds that every token needs
+(dense layers, head, embeddings: pinned when all of a kind fits), then expert cache slots with what is left.
+A kind that is not pinned anywhere streams through a small number of slots on the compute tier.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..errors import BudgetError
+from ..units import format_bytes
+
+ALWAYS_NEEDED = ("dense", "head", "embed", "mtp")  # pinned first, in this order, when a whole kind fits
+MIN_STREAM_SLOTS = {"dense": 2, "expert": 2, "head": 1, "embed": 1, "mtp": 1}  # two allow a read during compute
+
+
+@dataclass(frozen=True)
+class KindSize:
+    kind: str
+    count: int  # units of this kind
+    slot_bytes: int  # largest unit of this kind
+
+
+@dataclass
+class TierPlan:
+    name: str
+    budget: int | None  # None: not limited by the user
+    pinned: list[str] = field(default_factory=list)  # kinds held whole on this tier
+    slots: dict[str, int] = field(default_factory=dict)  # kind -> cache slots (pinned kinds: one per unit)
+    kv_bytes: int = 0
+    staging_bytes: int = 0
+
+    def slot_bytes(self, sizes: dict[str, KindSize]) -> int:
+        return sum(n * sizes[k].slot_bytes for k, n in self.slots.items())
+
+    def used(self, sizes: dict[str, KindSize]) -> int:
+        return self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes
+
+
+@dataclass
+class Placement:
+    sizes: dict[str, KindSize]
+    tiers: list[TierPlan]  # compute tier first
+
+    @property
+    def compute(self) -> TierPlan:
+        return self.tiers[0]
+
+    def home(self, kind: str) -> str:
+        for t in self.tiers:
+            if kind in t.pinned:
+                return t.name
+        return "disk"
+
+    def to_json(self) -> str:
+        return json.dumps({"sizes": {k: asdict(v) for k, v in self.sizes.items()},
+                           "tiers": [asdict(t) for t in self.tiers]}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Placement":
+        data = json.loads(text)
+        return cls({k: KindSize(**v) for k, v in data["sizes"].items()}, [TierPlan(**t) for t in data["tiers"]])
+
+    def validate(self) -> None:
+        for t in self.tiers:
+            if t.budget is not None and t.used(self.sizes) > t.budget:
+                raise BudgetError(t.name, t.used(self.sizes), t.budget, self.breakdown(t))
+        for kind, size in self.sizes.items():
+            if self.home(kind) == "disk" and self.compute.slots.get(kind, 0) < 1:
+                raise BudgetError(self.compute.name, size.slot_bytes, 0, {f"{kind} slot": size.slot_bytes})
+
+    def breakdown(self, t: TierPlan) -> dict[str, int]:
+        out = {f"{k} x{n}": n * self.sizes[k].slot_bytes for k, n in t.slots.items() if n}
+        if t.kv_bytes:
+            out["kv cache"] = t.kv_bytes
+        if t.staging_bytes:
+            out["staging"] = t.staging_bytes
+        return out
+
+    def describe(self) -> str:
+        lines = []
+        for t in self.tiers:
+            budget = "unlimited" if t.budget is None else format_bytes(t.budget)
+            lines.append(f"{t.name}: {format_bytes(t.used(self.sizes))} of {budget}")
+            for kind, n in t.slots.items():
+                size = self.sizes[kind]
+                what = "pinned" if kind in t.pinned else f"cache {100 * n / max(size.count, 1):.0f}% of {kind} units"
+                lines.append(f"  {kind:<7} {n:>5} x {format_bytes(size.slot_bytes):>11}  {what}")
+            if t.kv_bytes:
+                lines.append(f"  kv cache        {format_bytes(t.kv_bytes):>11}")
+            if t.staging_bytes:
+                lines.append(f"  staging         {format_bytes(t.staging_bytes):>11}")
+        streamed = [k for k in self.sizes if self.home(k) == "disk"]
+        lines.append(f"disk: {', '.join(streamed) if streamed else 'nothing streamed'}")
+        return "\n".join(lines)
+
+
+def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_budget: int | None,
+                   kv_bytes: int, staging_bytes: int = 0, separate_host: bool = True) -> Placement:
+    """separate_host=False: one RAM tier (CPU without --vram): compute reads the host tier directly."""
+    compute = TierPlan("device" if separate_host else "host", compute_budget, kv_bytes=kv_bytes)
+    tiers = [compute]
+    if separate_host:
+        tiers.append(TierPlan("host", host_budget, staging_bytes=staging_bytes))
+    else:
+        compute.staging_bytes = staging_bytes
+    placement = Placement(sizes, tiers)
+
+    # The minimum working set: stream slots for every kind on the compute tier.
+    minimum = {k: MIN_STREAM_SLOTS[k] if s.count > 1 else 1 for k, s in sizes.items() if s.count}
+    compute.slots = dict(minimum)
+    need = compute.used(sizes)
+    if compute.budget is not None and need > compute.budget:
+        raise BudgetError(compute.name, need, compute.budget, placement.breakdown(compute),
+                          hint="the minimum working set: streaming slots for each unit kind, the KV cache, staging")
+
+    for tier in tiers:
+        free = None if tier.budget is None else tier.budget - tier.used(sizes)
+        for kind in ALWAYS_NEEDED + ("expert",):
+            size = sizes.get(kind)
+            if size is None or not size.count or placement.home(kind) != "disk":
+                continue
+            have = tier.slots.get(kind, 0)
+            extra = size.count - have
+            if free is None or extra * size.slot_bytes <= free:
+                tier.slots[kind] = size.count
+                tier.pinned.append(kind)
+                free = None if free is None else free - extra * size.slot_bytes
+            elif kind == "expert" or tier is not compute:
+                # a partial cache: as many slots as fit (expert caches always; other kinds on lower tiers)
+                n = free // size.slot_bytes
+                if n + have > 0:
+                    tier.slots[kind] = have + n
+                    free -= n * size.slot_bytes
+    placement.validate()
+    return placement

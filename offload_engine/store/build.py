@@ -1,0 +1,78 @@
+"""From a checkpoint and a budget to a planned, allocated TieredStore (the one place that decides tiers)."""
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from ..checkpoint.model import ModelCheckpoint
+from ..config import ResolvedBudget
+from ..errors import ConfigError
+from ..planner.placement import KindSize, Placement, plan_placement
+from .disk import ALIGN, BOUNCE_BYTES
+from .ledger import Ledger
+from .store import ReadFn, TieredStore
+
+READER_THREADS = 4
+
+
+def kind_sizes(checkpoint: ModelCheckpoint) -> dict[str, KindSize]:
+    sizes: dict[str, KindSize] = {}
+    for key, layout in checkpoint.layouts.items():
+        cur = sizes.get(key.kind)
+        sizes[key.kind] = KindSize(key.kind, (cur.count if cur else 0) + 1, max(cur.slot_bytes if cur else 0,
+                                                                                  layout.nbytes))
+    return sizes
+
+
+def bounce_bytes(sizes: dict[str, KindSize]) -> int:
+    """O_DIRECT bounce buffer per reader thread: the largest unit plus alignment slack, at most BOUNCE_BYTES."""
+    largest = max(s.slot_bytes for s in sizes.values())
+    return min(BOUNCE_BYTES, -(-largest // ALIGN) * ALIGN + ALIGN)
+
+
+def host_memory_limit() -> int:
+    """min(cgroup memory.max, MemAvailable): what this process can really use (RELIABILITY M5)."""
+    limit = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text != "max":
+            limit = min(limit, int(text))
+    except (OSError, ValueError):
+        pass
+    return limit
+
+
+def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.device, kv_bytes: int,
+             direct_io: str) -> tuple[Placement, bool]:
+    sizes = kind_sizes(checkpoint)
+    separate_host = device.type == "cuda" or budget.device is not None
+    use_direct = direct_io == "on"
+    if direct_io == "auto":
+        ram = budget.host if separate_host else (budget.host if budget.host is not None else None)
+        use_direct = ram is not None and ram < checkpoint.total_bytes
+    elif direct_io not in ("on", "off"):
+        raise ConfigError(f"--direct-io must be auto, on or off, got {direct_io!r}")
+    staging = READER_THREADS * bounce_bytes(sizes) if use_direct else 0
+    if separate_host:
+        compute_budget = budget.device
+        if compute_budget is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            compute_budget = int(free * 0.9)
+        placement = plan_placement(sizes, compute_budget, budget.host, kv_bytes, staging, separate_host=True)
+    else:
+        placement = plan_placement(sizes, budget.host, None, kv_bytes, staging, separate_host=False)
+    return placement, use_direct
+
+
+def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
+                direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
+                stall_timeout: float | None = None) -> TieredStore:
+    ledger = Ledger({t.name: t.budget for t in placement.tiers})
+    timeout = stall_timeout or float(os.environ.get("OFFLOAD_ENGINE_STALL_TIMEOUT", 60))
+    bounce = bounce_bytes(placement.sizes)
+    return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
+                       threads=READER_THREADS, bounce_bytes=bounce, stall_timeout=timeout, read_fn=read_fn,
+                       progress=progress)

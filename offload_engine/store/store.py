@@ -1,0 +1,381 @@
+"""TieredStore: units move disk -> host -> device on demand, within hard per-tier budgets.
+
+acquire(keys) yields resident units first and the others as their reads land, so compute on resident experts
+overlaps the reads of missing ones; acquired units are never evicted until released. Reads run on a reader
+pool (demand before prefetch); a read error reaches the caller as an IOFault naming shard and offset, and the
+store stays usable (the failed slot is emptied, nothing half-read is ever served).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..checkpoint.layout import ReadRange
+from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.naming import UnitKey
+from ..errors import BudgetError
+from ..planner.placement import Placement
+from ..runtime.weights import Weights
+from .disk import BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range, read_range_direct
+from .ledger import Ledger
+from .policy import Usage, choose_victim
+from .readers import DEMAND, PREFETCH, ReaderPool
+from .tier import Slot, Tier
+
+ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]
+
+
+@dataclass
+class StoreStats:
+    hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    misses: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    bytes_read_disk: int = 0
+    bytes_host_to_device: int = 0
+    io_wait_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0  # prefetched and evicted unused
+
+    def snapshot(self) -> dict:
+        return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_read_disk": self.bytes_read_disk,
+                "bytes_host_to_device": self.bytes_host_to_device, "io_wait_s": self.io_wait_s,
+                "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+                "prefetch_wasted": self.prefetch_wasted}
+
+
+class TieredStore:
+    def __init__(self, checkpoint: ModelCheckpoint, placement: Placement, ledger: Ledger, device: torch.device,
+                 dtype: torch.dtype, *, policy: str = "layer-lru", direct_io: bool = False, threads: int = 4,
+                 bounce_bytes: int = BOUNCE_BYTES, stall_timeout: float = 60.0, read_fn: ReadFn | None = None, progress: bool = False):
+        self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
+        self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
+        self.stats = StoreStats()
+        self._lock = threading.RLock()
+        self._tick = 0
+        self.files = ShardFiles(checkpoint.index.shards)
+        self._read_fn = read_fn or read_range
+        self._direct_fds: dict = {}
+        self.direct_io = direct_io
+        cuda = device.type == "cuda"
+        self.tiers: list[Tier] = []
+        for plan in placement.tiers:
+            tier_device = device if plan.name == "device" else torch.device("cpu")
+            tier = Tier(plan.name, tier_device, set(plan.pinned))
+            self.tiers.append(tier)
+        self.compute = self.tiers[0]
+        self.host = self.tiers[1] if len(self.tiers) > 1 else None
+        self.pool = None
+        try:
+            for plan, tier in zip(placement.tiers, self.tiers):
+                if plan.staging_bytes:
+                    ledger.charge(tier.name, plan.staging_bytes, "staging")
+                if plan.kv_bytes:
+                    ledger.charge(tier.name, plan.kv_bytes, "kv cache")
+                for kind, n in plan.slots.items():
+                    tier.allocate(kind, n, placement.sizes[kind].slot_bytes, ledger,
+                                  pin_memory=cuda and tier.name == "host")
+            self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0)
+            self._load_pinned(progress)
+        except BaseException:
+            self.close()
+            raise
+        # layer-lru: each layer's share of the compute tier's expert slots
+        n_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
+        self._layer_share = max(1, len(self.compute.pools.get("expert", [])) // n_layers)
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    def _load_pinned(self, progress: bool) -> None:
+        jobs = []
+        for tier in self.tiers:
+            for kind in tier.pinned_kinds:
+                keys = [k for k in self.checkpoint.layouts if k.kind == kind]
+                for key, slot in zip(keys, tier.pools[kind]):
+                    slot.key = key
+                    tier.resident[key] = slot
+                    jobs.append((key, slot))
+        total = sum(self.checkpoint.layouts[k].nbytes for k, _ in jobs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress) as bar:
+            futures = {self.pool.submit(DEMAND, partial(self._read_disk, key, slot), str(key)): key
+                       for key, slot in jobs}
+            for fut in _as_completed(futures, self.stall_timeout, self.pool):
+                fut.result()
+                bar.update(self.checkpoint.layouts[futures[fut]].nbytes)
+
+    def _read_disk(self, key: UnitKey, slot: Slot) -> None:
+        layout = self.checkpoint.layouts[key]
+        if slot.blob.device.type == "cuda":  # through a pinned bounce: see _read_via_host
+            self._read_via_host(key, slot)
+            return
+        for r in layout.read_ranges():
+            if self.direct_io:
+                fd = self._direct_fd(r.file)
+                if fd is not None:
+                    read_range_direct(fd, r, slot.blob, self.pool.bounce())
+                    continue
+            self._read_fn(self.files, r, slot.blob)
+            if self.direct_io:  # O_DIRECT refused by the filesystem: at least drop the pages we read
+                drop_cache(self.files.fd(r.file), r.file_offset, r.nbytes)
+        with self._lock:
+            self.stats.bytes_read_disk += layout.nbytes
+
+    def _read_via_host(self, key: UnitKey, slot: Slot) -> None:
+        """CUDA without GPUDirect: disk -> a host slot (cached there when the host tier has room) -> device."""
+        host_slot = self._reserve(self.host, key) if self.host else None
+        if host_slot is None:
+            raise BudgetError("host", self.checkpoint.layouts[key].nbytes, 0,
+                              hint="CUDA reads need a host slot for the unit kind as staging")
+        try:
+            self._read_disk(key, host_slot)
+            self._copy(host_slot, slot, key)
+        finally:
+            with self._lock:
+                host_slot.loading, host_slot.refs = None, host_slot.refs - 1
+
+    def _direct_fd(self, path):
+        with self._lock:
+            if path not in self._direct_fds:
+                self._direct_fds[path] = open_direct(path)
+            return self._direct_fds[path]
+
+    def _copy(self, src: Slot, dst: Slot, key: UnitKey) -> None:
+        n = self.checkpoint.layouts[key].nbytes
+        dst.blob[:n].copy_(src.blob[:n], non_blocking=False)
+        with self._lock:
+            self.stats.bytes_host_to_device += n
+
+    def _fill(self, key: UnitKey, slot: Slot) -> None:
+        """Worker: bring `key` into a compute-tier slot from the host tier if it is there, else from disk."""
+        src = None
+        if self.host is not None:
+            with self._lock:
+                cand = self.host.resident.get(key)
+                if cand is not None and cand.loading is None:
+                    cand.refs += 1
+                    src = cand
+                    self.stats.hits["host"] += 1
+                else:
+                    self.stats.misses["host"] += 1
+        if src is not None:
+            try:
+                self._copy(src, slot, key)
+            finally:
+                with self._lock:
+                    src.refs -= 1
+                    src.last_use = self._tick
+            return
+        if self.host is not None and self.host.pools.get(key.kind) and slot.blob.device.type != "cuda":
+            # cache on the host tier on the way up, when it has slots for this kind
+            host_slot = self._reserve(self.host, key)
+            if host_slot is not None:
+                try:
+                    self._read_disk(key, host_slot)
+                    self._copy(host_slot, slot, key)
+                finally:
+                    with self._lock:
+                        host_slot.loading, host_slot.refs = None, host_slot.refs - 1
+                return
+        self._read_disk(key, slot)
+
+    # ---- slots --------------------------------------------------------------------------------------------
+    def _reserve(self, tier: Tier, key: UnitKey) -> Slot | None:
+        """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy."""
+        with self._lock:
+            pool = tier.pools.get(key.kind, [])
+            free = [s for s in pool if s.key is None]
+            slot = free[0] if free else None
+            if slot is None:
+                candidates = [Usage(s.index, s.key.layer, s.last_use, s.score) for s in pool
+                              if s.refs == 0 and s.loading is None and s.key is not None]
+                if not candidates:
+                    return None
+                slot = pool[choose_victim(self.policy, candidates, key.layer, self._layer_share_for(tier),
+                                          self._tick)]
+                if slot.prefetched:
+                    self.stats.prefetch_wasted += 1
+                del tier.resident[slot.key]
+            slot.key, slot.refs, slot.score, slot.prefetched = key, 1, 0.0, False
+            slot.loading = Future()  # placeholder until the real future is attached
+            tier.resident[key] = slot
+            return slot
+
+    def _layer_share_for(self, tier: Tier) -> int:
+        return self._layer_share if tier is self.compute else max(1, self._layer_share)
+
+    def _drop(self, tier: Tier, slot: Slot) -> None:
+        with self._lock:
+            if slot.key is not None and tier.resident.get(slot.key) is slot:
+                del tier.resident[slot.key]
+            slot.key, slot.refs, slot.loading, slot.prefetched = None, 0, None, False
+
+    def _touch(self, slot: Slot) -> None:
+        self._tick += 1
+        slot.score = slot.score * 0.5 ** ((self._tick - slot.last_use) / 64.0) + 1.0
+        slot.last_use = self._tick
+
+    def _views(self, slot: Slot, key: UnitKey) -> Weights:
+        views = self.checkpoint.layouts[key].views(slot.blob)
+        return {k: (v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v)
+                for k, v in views.items()}
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:
+        """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done."""
+        keys = list(dict.fromkeys(keys))
+        ready: list[tuple[UnitKey, Slot]] = []
+        waiting: list[UnitKey] = []
+        with self._lock:
+            for key in keys:
+                slot = self.compute.resident.get(key)
+                if slot is not None and slot.loading is None:
+                    slot.refs += 1
+                    self._touch(slot)
+                    self.stats.hits[self.compute.name] += 1
+                    if slot.prefetched:
+                        slot.prefetched = False
+                        self.stats.prefetch_used += 1
+                    ready.append((key, slot))
+                else:
+                    waiting.append(key)
+        owed = {key for key, _ in ready}  # acquired here, not yet handed to the caller
+        inflight: dict[Future, UnitKey] = {}
+        try:
+            for key, slot in ready:
+                owed.discard(key)
+                yield key, self._views(slot, key)
+            while waiting or inflight:
+                self._schedule(waiting, inflight, owed)
+                if not inflight:
+                    raise BudgetError(self.compute.name, len(waiting), 0,
+                                      hint="every slot is held by units not yet released; release units sooner")
+                start = time.perf_counter()
+                done, _ = wait(list(inflight), timeout=self.stall_timeout, return_when=FIRST_COMPLETED)
+                with self._lock:
+                    self.stats.io_wait_s += time.perf_counter() - start
+                if not done:
+                    raise TimeoutError(f"weight read stalled for {self.stall_timeout:.0f}s; in progress: "
+                                       f"{', '.join(self.pool.in_progress()) or 'nothing'}")
+                for fut in done:
+                    key = inflight.pop(fut)
+                    slot = self.compute.resident[key]
+                    if fut.exception() is not None:
+                        self._drop(self.compute, slot)
+                        owed.discard(key)
+                        raise fut.exception()
+                    with self._lock:
+                        if slot.loading is fut:
+                            slot.loading = None
+                        self._touch(slot)
+                    owed.discard(key)
+                    yield key, self._views(slot, key)
+        finally:
+            # the caller stopped early or a read failed: give back what it never received
+            for fut, key in inflight.items():
+                owed.add(key)
+            self._release_quietly(owed)
+
+    def _schedule(self, waiting: list[UnitKey], inflight: dict[Future, UnitKey], owed: set[UnitKey]) -> None:
+        with self._lock:
+            for key in list(waiting):
+                slot = self.compute.resident.get(key)
+                if slot is not None:  # resident by now, or a prefetch is reading it
+                    slot.refs += 1
+                    if slot.prefetched:
+                        slot.prefetched = False
+                        self.stats.prefetch_used += 1
+                    if slot.loading is None:
+                        self.stats.hits[self.compute.name] += 1
+                    fut = slot.loading if slot.loading is not None else _done_future()
+                else:
+                    slot = self._reserve(self.compute, key)
+                    if slot is None:
+                        return  # wait for releases or completions
+                    self.stats.misses[self.compute.name] += 1
+                    fut = self.pool.submit(DEMAND, partial(self._fill, key, slot), str(key))
+                    slot.loading = fut
+                inflight[fut] = key
+                owed.add(key)
+                waiting.remove(key)
+
+    def prefetch(self, keys: Sequence[UnitKey]) -> int:
+        """Best effort, asynchronous: start reads of units not yet resident into free or evictable slots. Never
+        evicts a unit in use or in flight; returns how many reads it started."""
+        started = 0
+        with self._lock:
+            for key in keys:
+                if key in self.compute.resident or self.compute.pools.get(key.kind) is None:
+                    continue
+                slot = self._reserve(self.compute, key)
+                if slot is None:
+                    break
+                slot.refs, slot.prefetched = 0, True
+                slot.loading = self.pool.submit(PREFETCH, partial(self._prefetch_fill, key, slot), str(key))
+                self.stats.prefetch_issued += 1
+                started += 1
+        return started
+
+    def _prefetch_fill(self, key: UnitKey, slot: Slot) -> None:
+        try:
+            self._fill(key, slot)
+        except BaseException:
+            if slot.refs == 0:  # nobody waits on it: forget the unit; a demand read will report the fault
+                self._drop(self.compute, slot)
+            raise
+        with self._lock:
+            if slot.refs == 0 and slot.loading is not None:
+                slot.loading = None
+
+    def release(self, keys: Sequence[UnitKey]) -> None:
+        with self._lock:
+            for key in keys:
+                slot = self.compute.resident.get(key)
+                if slot is not None and slot.refs > 0:
+                    slot.refs -= 1
+
+    def _release_quietly(self, keys) -> None:
+        if keys:
+            self.release(list(keys))
+
+    def resident_keys(self, tier: str = "device") -> set[UnitKey]:
+        t = self.compute if tier in ("device", self.compute.name) else self.host
+        with self._lock:
+            return {k for k, s in t.resident.items() if s.loading is None} if t else set()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.files.close()
+        for fd in self._direct_fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._direct_fds.clear()
+        for plan, tier in zip(self.placement.tiers, self.tiers):
+            tier.free_all(self.ledger)
+            items = self.ledger.accounts[tier.name].items
+            for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes)):
+                if n and items.get(what):
+                    self.ledger.credit(tier.name, n, what)
+
+
+def _done_future() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
+
+
+def _as_completed(futures, timeout: float, pool: ReaderPool):
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        if not done:
+            raise TimeoutError(f"weight read stalled for {timeout:.0f}s; in progress: "
+                               f"{', '.join(pool.in_progress()) or 'nothing'}")
+        yield from done

@@ -1,0 +1,47 @@
+"""Fixed-size slot pools, allocated once per tier and charged to the ledger before allocation."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.naming import UnitKey
+from .ledger import Ledger
+
+
+@dataclass(eq=False)
+class Slot:
+    tier: str
+    kind: str
+    index: int
+    blob: torch.Tensor  # uint8, slot_bytes long
+    key: UnitKey | None = None
+    refs: int = 0  # acquired and not yet released: never evicted
+    loading: Future | None = None  # a read or copy into this slot is in flight
+    last_use: int = 0
+    score: float = 0.0  # aged use count (LFU)
+    prefetched: bool = False  # filled by a prefetch and not yet used
+
+
+@dataclass(eq=False)
+class Tier:
+    name: str
+    device: torch.device
+    pinned_kinds: set[str]
+    pools: dict[str, list[Slot]] = field(default_factory=dict)
+    resident: dict[UnitKey, Slot] = field(default_factory=dict)
+
+    def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
+        pool = self.pools.setdefault(kind, [])
+        for _ in range(count):
+            ledger.charge(self.name, slot_bytes, f"{kind} slots")
+            blob = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
+            pool.append(Slot(self.name, kind, len(pool), blob))
+
+    def free_all(self, ledger: Ledger) -> None:
+        for kind, pool in self.pools.items():
+            for slot in pool:
+                ledger.credit(self.name, slot.blob.numel(), f"{kind} slots")
+        self.pools.clear()
+        self.resident.clear()
