@@ -45,8 +45,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """tokens [T] follow the cache's committed content; mask [T, cache.length + T] for draft trees."""
+                mask: torch.Tensor | None = None, last_only: bool = False, return_hidden: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T] follow the cache's committed content; mask [T, cache.length + T] for draft trees.
+
+        return_hidden: also return the last decoder layer's output before the final norm [T, H] (what MTP
+        heads consume)."""
         tokens = tokens.to(self.device)
         T = tokens.shape[0]
         if positions is None:
@@ -64,10 +68,12 @@ class CausalLM:
                     x = x + self._moe(layer, w, h)
                 else:
                     x = x + ops.dense_mlp(layer, w, h)
+        if last_only:
+            x = x[-1:]
         with self._unit(UnitKey(self.num_layers, "head")) as w:
-            logits = ops.logits(w, x[-1:] if last_only else x)
+            logits = ops.logits(w, x)
         cache.advance(T)
-        return logits
+        return (logits, x) if return_hidden else logits
 
     def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
         indices, weights = self.ops.route(layer, w, h)
