@@ -183,7 +183,8 @@ def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: l
         raise CheckpointFormatError(path, "header entry must be an object", tensor=name)
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CheckpointFormatError(path, f"unsupported dtype {_short(dtype)}; expected one of {sorted(DTYPES)}", tensor=name)
+        raise CheckpointFormatError(path, f"unsupported dtype {_short(dtype)}; expected one of {sorted(DTYPES)}",
+                                    tensor=name)
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
         raise CheckpointFormatError(path, f"shape must be a list of integers in [0, 2**63), found {_short(shape)}",
                                     tensor=name)
@@ -254,9 +255,10 @@ def _allowed_roots(root: Path) -> list[Path]:
     return roots
 
 
-def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None) -> tuple[Path, Path]:
+def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None,
+            roots: list[Path] | None = None) -> tuple[Path, Path]:
     """`root / rel` and its real path, refusing names that are not plain relative paths or that resolve
-    (through `..` or symlinks) outside the model folder."""
+    (through `..` or symlinks) outside the model folder (or `roots`, from _allowed_roots)."""
     try:
         ok = isinstance(rel, str) and rel != "" and "\x00" not in rel and bool(os.fsencode(rel))
     except UnicodeError:  # e.g. a lone surrogate from a JSON \ud800 escape: no file can have that name
@@ -270,7 +272,7 @@ def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None) -> tup
         real = candidate.resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
         raise CheckpointFormatError(where, f"cannot resolve shard path {rel!r}: {e}", tensor=tensor) from None
-    if not any(real == r or r in real.parents for r in _allowed_roots(root)):
+    if not any(real == r or r in real.parents for r in (roots or _allowed_roots(root))):
         raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory {root} (resolves to {real})",
                                     tensor=tensor)
     return candidate, real
@@ -295,6 +297,20 @@ def load_json(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise CheckpointFormatError(path, f"{what} must be a JSON object")
     return data
+
+
+def _index_shard(root: Path, rel: Any, index_path: Path, tensor: str, roots: list[Path],
+                 by_real: dict[Path, Path]) -> Path:
+    """The shard file an index entry names: inside the model folder, present, a regular file."""
+    shard, real = _inside(root, rel, index_path, tensor=tensor, roots=roots)
+    shard = by_real.setdefault(real, shard)
+    if not shard.exists():
+        raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'", tensor=tensor,
+                                    hint="re-download the checkpoint")
+    if not shard.is_file():
+        raise CheckpointFormatError(index_path, f"index names shard '{rel}', which is not a regular file",
+                                    tensor=tensor)
+    return shard
 
 
 class CheckpointIndex:
@@ -344,17 +360,14 @@ class CheckpointIndex:
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointFormatError(index_path, "'weight_map' must be a non-empty object of tensor -> shard file")
+            roots = _allowed_roots(root)
             weight_map: dict[str, Path] = {}
+            by_rel: dict[str, Path] = {}  # ~10^5 entries name ~10^2 files: check each file name once
             by_real: dict[Path, Path] = {}  # "x" and "sub/../x" name one shard: read it once
             for name, rel in wm.items():
-                shard, real = _inside(root, rel, index_path, tensor=name)
-                shard = by_real.setdefault(real, shard)
-                if not shard.exists():
-                    raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'", tensor=name,
-                                                hint="re-download the checkpoint")
-                if not shard.is_file():
-                    raise CheckpointFormatError(index_path, f"index names shard '{rel}', which is not a regular file",
-                                                tensor=name)
+                shard = by_rel.get(rel) if isinstance(rel, str) else None
+                if shard is None:
+                    shard = by_rel[rel] = _index_shard(root, rel, index_path, name, roots, by_real)
                 weight_map[name] = shard
             return sorted(set(weight_map.values())), weight_map, index_path
         single = root / "model.safetensors"
