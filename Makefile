@@ -17,7 +17,7 @@ $(DEMO_MODEL)/config.json: $(BIN)/.installed tools/make_checkpoint.py
 	$(BIN)/python tools/make_checkpoint.py --arch qwen3_moe --preset small --out $(DEMO_MODEL) --force
 
 demo: $(DEMO_MODEL)/config.json
-	$(BIN)/offload-engine run --ram 50% --context 512 --prompt "def fibonacci(n):" --max-new-tokens 32 --stats
+	$(BIN)/offload-engine run --ram 70% --context 512 --prompt "def fibonacci(n):" --max-new-tokens 32 --stats
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests

@@ -85,7 +85,7 @@ def read_unit(files: ShardFiles, layout: UnitLayout, blob: torch.Tensor) -> None
 
 # ---- direct I/O -------------------------------------------------------------------------------------------
 ALIGN = 4096
-BOUNCE_BYTES = 4 * 1024 * 1024  # per reader thread, page aligned, charged to the host tier as staging
+BOUNCE_BYTES = 1024 * 1024  # per reader thread, page aligned, charged to the host tier as staging
 
 
 def open_direct(path: Path) -> int | None:

@@ -1,0 +1,219 @@
+"""Hardware measurements: disk read bandwidth (page cache bypassed), memory copy bandwidth, matmul throughput,
+and on CUDA the host -> device copy bandwidth and GPU matmul throughput.
+
+Pure measurement: each function runs one small experiment and returns a frozen dataclass with the figure and
+how it was obtained, so a report can say what was measured. Nothing here plans or changes settings.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MiB = 1 << 20
+ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size (4 KiB covers it)
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """bytes_per_s = nbytes / seconds (best of `repeats` when there were several)."""
+
+    bytes_per_s: float
+    nbytes: int
+    seconds: float
+    method: str  # e.g. "O_DIRECT", "buffered + POSIX_FADV_DONTNEED", "torch copy_", "pinned H2D"
+    block: int = 0  # bytes per request (disk) or per copy
+    threads: int = 1
+    source: str = ""  # file or device measured
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """flops_per_s = 2 n^3 / seconds for an n x n matmul (best of `repeats`)."""
+
+    flops_per_s: float
+    n: int
+    seconds: float
+    dtype: str
+    device: str
+    threads: int
+    method: str = "torch.matmul"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- disk ---------------------------------------------------------------------------------------------------
+def _open_direct(path: Path) -> int | None:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError:  # tmpfs and some overlays refuse O_DIRECT at open
+        return None
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _read_blocks(fd: int, offsets: list[int], block: int, end: int) -> int:
+    """Read `block` bytes at each offset into one page-aligned buffer (anonymous mmap); returns bytes read."""
+    buf = memoryview(mmap.mmap(-1, block))
+    done = 0
+    try:
+        for off in offsets:
+            want = min(block, -(-(end - off) // ALIGN) * ALIGN)  # the tail stays aligned: O_DIRECT may over-read
+            done += min(os.preadv(fd, [buf[:want]], off), end - off)
+    finally:
+        buf.release()
+    return done
+
+
+def _timed_parallel_read(fd: int, nbytes: int, block: int, threads: int) -> tuple[int, float]:
+    """Thread i reads blocks i, i+T, i+2T... (like a pool of readers issuing independent requests)."""
+    offsets = list(range(0, nbytes, block))
+    shares = [offsets[i::threads] for i in range(threads)]
+    results = [0] * threads
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _read_blocks(fd, shares[i], block, nbytes)
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return sum(results), seconds
+
+
+def measure_direct_read_bandwidth(path: str | os.PathLike, nbytes: int = 1 << 30, block: int = 8 * MiB,
+                                  threads: int = 1, repeats: int = 1) -> Bandwidth:
+    """Sequential read of the first `nbytes` of `path` (capped at its size) bypassing the page cache.
+
+    O_DIRECT into page-aligned buffers where the filesystem allows it; otherwise buffered reads after
+    POSIX_FADV_DONTNEED on the whole file (so the pages are not already cached), and again afterwards so the
+    measurement leaves nothing behind. The method used is in the result."""
+    path = Path(path)
+    if block % ALIGN:
+        raise ValueError(f"block must be a multiple of {ALIGN} bytes, got {block}")
+    nbytes = min(nbytes, path.stat().st_size)
+    if nbytes <= 0:
+        raise ValueError(f"{path}: empty file, nothing to measure")
+    best: tuple[int, float] | None = None
+    method = "O_DIRECT"
+    for _ in range(max(1, repeats)):
+        fd = _open_direct(path)
+        try:
+            if fd is not None:
+                try:
+                    result = _timed_parallel_read(fd, nbytes, block, threads)
+                except OSError:  # opened, but reads refused (EINVAL on some filesystems): fall back below
+                    os.close(fd)
+                    fd = None
+            if fd is None:
+                method = "buffered + POSIX_FADV_DONTNEED"
+                fd = os.open(path, os.O_RDONLY)
+                _drop_cache(fd)
+                result = _timed_parallel_read(fd, nbytes, block, threads)
+                _drop_cache(fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if best is None or result[0] / result[1] > best[0] / best[1]:
+            best = result
+    done, seconds = best
+    return Bandwidth(done / seconds, done, seconds, method, block, threads, str(path))
+
+
+# ---- memory and compute (CPU) -------------------------------------------------------------------------------
+def _best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Bandwidth:
+    """Bytes copied per second by one large torch copy_ between two RAM buffers (each byte is read once and
+    written once, so memory traffic is twice the figure). The first copy warms the pages and is not timed."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = _best_time(lambda: dst.copy_(src), repeats)
+    return Bandwidth(nbytes / seconds, nbytes, seconds, "torch copy_ (RAM -> RAM)", nbytes, torch.get_num_threads(),
+                     "cpu")
+
+
+def measure_cpu_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> Throughput:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: first call picks kernels and touches the output
+    seconds = _best_time(lambda: torch.matmul(a, b), repeats)
+    return Throughput(2 * n ** 3 / seconds, n, seconds, str(dtype).replace("torch.", ""), "cpu",
+                      torch.get_num_threads())
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------------------
+def _cuda_time(fn, repeats: int, device: torch.device) -> float:
+    """Best time of fn() in seconds, measured with CUDA events on the current stream (no host-side skew)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_h2d_bandwidth(nbytes: int = 256 * MiB, pinned: bool = True, repeats: int = 5,
+                          device: str | torch.device = "cuda") -> Bandwidth | None:
+    """Host -> device copy bandwidth (pinned host memory by default: pageable runs at a fraction). None without
+    CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device(device)
+    with torch.cuda.device(dev):
+        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dst.copy_(host, non_blocking=pinned)  # warm-up
+        torch.cuda.synchronize(dev)
+        seconds = _cuda_time(lambda: dst.copy_(host, non_blocking=pinned), repeats, dev)
+    method = "pinned H2D copy_" if pinned else "pageable H2D copy_"
+    return Bandwidth(nbytes / seconds, nbytes, seconds, method, nbytes, 1, str(dev))
+
+
+def measure_gpu_matmul_flops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 5,
+                             device: str | torch.device = "cuda") -> Throughput | None:
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device(device)
+    with torch.cuda.device(dev):
+        a = torch.randn(n, n, dtype=dtype, device=dev)
+        b = torch.randn(n, n, dtype=dtype, device=dev)
+        torch.matmul(a, b)
+        torch.cuda.synchronize(dev)
+        seconds = _cuda_time(lambda: torch.matmul(a, b), repeats, dev)
+    return Throughput(2 * n ** 3 / seconds, n, seconds, str(dtype).replace("torch.", ""), str(dev), 1)
