@@ -1,4 +1,5 @@
 """Reading Hugging Face checkpoint folders in place: headers, config, unit naming. Never loads tensor data."""
-from .index import CheckpointIndex, ShardInfo, TensorRecord, DTYPES
+from .index import DTYPES, CheckpointIndex, ShardInfo, TensorRecord
+from .model import ModelCheckpoint, open_model
 
-__all__ = ["CheckpointIndex", "ShardInfo", "TensorRecord", "DTYPES"]
+__all__ = ["CheckpointIndex", "ShardInfo", "TensorRecord", "DTYPES", "ModelCheckpoint", "open_model"]
