@@ -4,9 +4,10 @@ from .checkpoint.index import CheckpointIndex
 from .config import Budget
 from .errors import (BudgetError, CheckpointError, CheckpointFormatError, ConfigError, EngineClosedError, IOFault,
                      OffloadEngineError, PlanError)
+from .prefetch.prefetcher import PrefetchConfig
 from .spec.sampling import SamplingParams
 
-__all__ = ["Engine", "Completion", "Budget", "SamplingParams", "CheckpointIndex", "OffloadEngineError",
+__all__ = ["Engine", "Completion", "Budget", "PrefetchConfig", "SamplingParams", "CheckpointIndex", "OffloadEngineError",
            "CheckpointError", "CheckpointFormatError", "ConfigError", "BudgetError", "PlanError", "IOFault",
            "EngineClosedError"]
 __version__ = "0.1.0"

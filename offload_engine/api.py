@@ -16,7 +16,10 @@ import torch
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
 from .errors import ConfigError, EngineClosedError
+from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
+from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
+from .prefetch.prefetcher import PrefetchConfig, Prefetcher
 from .runtime.model import CausalLM
 from .spec.decoder import FinishEvent, TokenEvent, decode_stream
 from .spec.sampling import SamplingParams
@@ -48,10 +51,11 @@ class Engine:
     @classmethod
     def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
-             direct_io: str = "auto", allow_cast: bool = False, progress: bool = False,
-             read_fn: ReadFn | None = None) -> "Engine":
+             direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
+             allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
-        weight is read. `read_fn` replaces the disk read of one byte range (fault-injection tests)."""
+        weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
+        the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests)."""
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
@@ -65,6 +69,7 @@ class Engine:
         placement, use_direct = plan_for(checkpoint, resolved, dev, kv_bytes, direct_io)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn)
         model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context)
+        model.prefetcher = _prefetcher(model, store, prefetch, trace)
         tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
         return cls(checkpoint, model, tokenizer, store, dev, compute_dtype)
 
@@ -147,11 +152,27 @@ class Engine:
             **store,
             "bytes_read_disk_per_token": store["bytes_read_disk"] / max(n, 1),
             "hit_rate": _hit_rate(store, self.store.compute.name),
+            "prefetch": self.model.prefetcher.summary() if self.model.prefetcher else {"enabled": False},
             "budget_bytes": _tiers(ledger.budgets()),
             "peak_bytes": _tiers(ledger.peak()),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | bool,
+                trace: str | None) -> Prefetcher | None:
+    """Only when something streams: with every unit pinned there is nothing to read ahead."""
+    config = prefetch if isinstance(prefetch, PrefetchConfig) else PrefetchConfig(enabled=bool(prefetch))
+    placement = store.placement
+    if not config.enabled or all(placement.home(kind) != "disk" for kind in placement.sizes):
+        return None
+    ops, spec = model.ops, model.spec
+    moe_layers = [l for l in range(spec.num_layers) if ops.is_moe(l)]
+    lookahead = RouterLookahead(ops, moe_layers, spec.num_experts_per_tok, config.margin,
+                                lambda t: store.peek(UnitKey(t, "dense")))
+    prior = FrequencyPrior(moe_layers, spec.num_experts_per_tok, Path(trace) if trace else None)
+    return Prefetcher(store, Combined(lookahead, prior), moe_layers, spec.num_layers, config)
 
 
 def _hit_rate(store: dict, tier: str) -> float:

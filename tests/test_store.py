@@ -80,7 +80,7 @@ class Faulty:
     def __call__(self, files, r, blob):
         with self.lock:
             self.calls += 1
-            fail = self.calls == self.fail_at
+            fail = self.fail_at is not None and self.calls >= self.fail_at  # a failing disk keeps failing
         if self.sleep:
             time.sleep(self.sleep)
         if fail and self.mode == "eio":
@@ -90,19 +90,22 @@ class Faulty:
         read_range(files, r, blob)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])  # a failed prefetch is dropped; the demand read reports it
 @pytest.mark.parametrize("mode", ["eio", "short"])
-def test_read_fault_surfaces_with_shard_and_offset_and_engine_recovers(checkpoint_factory, mode):
+def test_read_fault_surfaces_with_shard_and_offset_and_engine_recovers(checkpoint_factory, mode, prefetch):
     path = checkpoint_factory("qwen3_moe", "offload")
     _, ref = run(path)
     baseline = threading.active_count()
     faulty = Faulty(fail_at=None, mode=mode)
-    engine = Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io="off", read_fn=faulty)
+    engine = Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io="off", read_fn=faulty,
+                         prefetch=prefetch)
     faulty.fail_at = faulty.calls + 5  # during generation, not loading
     start = time.monotonic()
     with pytest.raises(IOFault) as err:
         engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True)
     assert time.monotonic() - start < 2.0
     assert ".safetensors" in str(err.value) and "offset" in str(err.value)
+    faulty.fail_at = None  # the disk recovers
     again = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True)  # usable, nothing half-read served
     assert again.token_ids == ref.token_ids
     engine.close()

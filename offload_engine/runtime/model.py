@@ -28,6 +28,8 @@ class CausalLM:
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
+        self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
+        self.routing_trace: list[tuple[int, list[list[int]]]] | None = None  # set to [] to record routing
 
     def new_cache(self, max_tokens: int) -> KVCache:
         if self.max_context is not None and max_tokens > self.max_context:
@@ -60,9 +62,12 @@ class CausalLM:
         ops = self.ops
         with self._unit(UnitKey(-1, "embed")) as w:
             x = ops.embed(w, tokens)
+        prefetcher = self.prefetcher
         for layer in range(self.num_layers):
             with self._unit(UnitKey(layer, "dense")) as w:
                 x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
+                if prefetcher is not None:  # reads for the next layers start while this one computes
+                    prefetcher.after_attention(layer, x)
                 h = ops.post_norm(layer, w, x)
                 if ops.is_moe(layer):
                     x = x + self._moe(layer, w, h)
@@ -77,7 +82,12 @@ class CausalLM:
 
     def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
         indices, weights = self.ops.route(layer, w, h)
-        keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices)]
+        experts = routed_experts(indices)
+        if self.routing_trace is not None:
+            self.routing_trace.append((layer, indices.tolist()))
+        if self.prefetcher is not None:
+            self.prefetcher.routed(layer, experts)
+        keys = [UnitKey(layer, "expert", e) for e in experts]
         parts = {}
         for key, ew in self.source.acquire(keys):  # resident experts first, the rest as their reads land
             try:

@@ -44,12 +44,15 @@ class StoreStats:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0  # prefetched and evicted unused
+    prefetch_cancelled: int = 0  # prefetches dropped before they started (routing proved them stale)
+    prefetch_failed: int = 0  # prefetch reads that raised (the unit is dropped; a demand read retries it)
 
     def snapshot(self) -> dict:
         return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_read_disk": self.bytes_read_disk,
                 "bytes_host_to_device": self.bytes_host_to_device, "io_wait_s": self.io_wait_s,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
-                "prefetch_wasted": self.prefetch_wasted}
+                "prefetch_wasted": self.prefetch_wasted, "prefetch_cancelled": self.prefetch_cancelled,
+                "prefetch_failed": self.prefetch_failed}
 
 
 class TieredStore:
@@ -271,8 +274,13 @@ class TieredStore:
             while waiting or inflight:
                 self._schedule(waiting, inflight, owed)
                 if not inflight:
-                    raise BudgetError(self.compute.name, len(waiting), 0,
-                                      hint="every slot is held by units not yet released; release units sooner")
+                    # every free slot is taken by prefetches in flight: wait for one to land (it is then evictable)
+                    busy = self._prefetches_in_flight()
+                    if not busy:
+                        raise BudgetError(self.compute.name, len(waiting), 0,
+                                          hint="every slot is held by units not yet released; release units sooner")
+                    wait(busy, timeout=self.stall_timeout, return_when=FIRST_COMPLETED)
+                    continue
                 start = time.perf_counter()
                 done, _ = wait(list(inflight), timeout=self.stall_timeout, return_when=FIRST_COMPLETED)
                 with self._lock:
@@ -303,6 +311,9 @@ class TieredStore:
         with self._lock:
             for key in list(waiting):
                 slot = self.compute.resident.get(key)
+                if slot is not None and slot.refs == 0 and _failed(slot.loading):
+                    self._drop(self.compute, slot)  # a read that failed after its requester gave up: retry it
+                    slot = None
                 if slot is not None:  # resident by now, or a prefetch is reading it
                     slot.refs += 1
                     if slot.prefetched:
@@ -322,13 +333,22 @@ class TieredStore:
                 owed.add(key)
                 waiting.remove(key)
 
+    def _prefetches_in_flight(self, kind: str | None = None) -> list[Future]:
+        with self._lock:
+            return [s.loading for s in self.compute.resident.values()
+                    if s.prefetched and s.loading is not None and (kind is None or s.kind == kind)]
+
     def prefetch(self, keys: Sequence[UnitKey]) -> int:
         """Best effort, asynchronous: start reads of units not yet resident into free or evictable slots. Never
-        evicts a unit in use or in flight; returns how many reads it started."""
+        evicts a unit in use or in flight, and never holds more than half of a kind's slots, so demand reads
+        always find room; returns how many reads it started."""
         started = 0
         with self._lock:
             for key in keys:
-                if key in self.compute.resident or self.compute.pools.get(key.kind) is None:
+                pool = self.compute.pools.get(key.kind)
+                if key in self.compute.resident or not pool:
+                    continue
+                if len(self._prefetches_in_flight(key.kind)) >= max(1, len(pool) // 2):
                     continue
                 slot = self._reserve(self.compute, key)
                 if slot is None:
@@ -339,12 +359,36 @@ class TieredStore:
                 started += 1
         return started
 
+    def cancel_prefetch(self, keys: Sequence[UnitKey]) -> int:
+        """Drop prefetches that have not started and that nobody waits for (the routing proved them stale)."""
+        cancelled = 0
+        with self._lock:
+            for key in keys:
+                slot = self.compute.resident.get(key)
+                if (slot is not None and slot.prefetched and slot.refs == 0 and slot.loading is not None
+                        and slot.loading.cancel()):
+                    self._drop(self.compute, slot)
+                    self.stats.prefetch_cancelled += 1
+                    cancelled += 1
+        return cancelled
+
+    def peek(self, key: UnitKey) -> Weights | None:
+        """The unit's weights if resident in the compute tier, else None; never reads. Only for use on the
+        compute thread before its next acquire (compute-tier evictions happen only there)."""
+        with self._lock:
+            slot = self.compute.resident.get(key)
+            if slot is None or slot.loading is not None:
+                return None
+        return self._views(slot, key)
+
     def _prefetch_fill(self, key: UnitKey, slot: Slot) -> None:
         try:
             self._fill(key, slot)
         except BaseException:
-            if slot.refs == 0:  # nobody waits on it: forget the unit; a demand read will report the fault
-                self._drop(self.compute, slot)
+            with self._lock:
+                self.stats.prefetch_failed += 1
+                if slot.refs == 0:  # nobody waits on it: forget the unit; a demand read will report the fault
+                    self._drop(self.compute, slot)
             raise
         with self._lock:
             if slot.refs == 0 and slot.loading is not None:
@@ -383,6 +427,10 @@ class TieredStore:
             for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes)):
                 if n and items.get(what):
                     self.ledger.credit(tier.name, n, what)
+
+
+def _failed(fut: Future | None) -> bool:
+    return fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
 def _done_future() -> Future:

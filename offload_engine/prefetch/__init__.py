@@ -1,0 +1,1 @@
+"""Speculative prefetch: predict the next layers' experts and read them while the current layer computes."""

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Record routing traces and replay them through the expert-cache policies.
+
+  python tools/trace_experts.py record --model DIR [--prompt TEXT | --prompt-file F] --tokens 128 --out trace.json
+  python tools/trace_experts.py replay trace.json --sizes 5,10,25,50 [--plot policies.png] [--json out.json]
+
+A trace lists, for every forward and MoE layer, the experts each token was routed to. Replay simulates a cache
+of N expert slots (N = a percentage of all experts) under each policy of offload_engine.store.policy, the same
+pure functions the store uses, plus the clairvoyant optimum (Belady: evict the unit used farthest in the future)
+as the reference line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offload_engine.store.policy import POLICIES, Usage, choose_victim  # noqa: E402
+
+
+def record(args: argparse.Namespace) -> int:
+    from offload_engine import Engine
+
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    with Engine.open(args.model, max_context=args.context) as engine:
+        engine.model.routing_trace = []
+        engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
+        steps = engine.model.routing_trace
+        spec = engine.model.spec
+    Path(args.out).write_text(json.dumps({"model": str(args.model), "num_experts": spec.num_experts,
+                                          "moe_layers": sorted({l for l, _ in steps}), "steps": steps}))
+    print(f"wrote {args.out}: {len(steps)} layer steps")
+    return 0
+
+
+def accesses(trace: dict) -> list[tuple[int, int]]:
+    """(layer, expert) in the order the engine acquires them: per forward and layer, ascending expert ids."""
+    out = []
+    for layer, per_token in trace["steps"]:
+        out += [(layer, e) for e in sorted({e for token in per_token for e in token})]
+    return out
+
+
+def next_occurrence(seq: list[tuple[int, int]]) -> list[float]:
+    """nxt[t] = the next index after t at which seq[t] is accessed again (inf if never)."""
+    nxt: list[float] = [float("inf")] * len(seq)
+    last: dict[tuple[int, int], int] = {}
+    for t in range(len(seq) - 1, -1, -1):
+        nxt[t] = last.get(seq[t], float("inf"))
+        last[seq[t]] = t
+    return nxt
+
+
+def simulate(seq: list[tuple[int, int]], slots: int, policy: str, n_layers: int) -> float:
+    """Hit rate of a cache of `slots` experts; policy "optimal" is Belady's clairvoyant eviction."""
+    cache: dict[tuple[int, int], Usage] = {}
+    next_use: dict[tuple[int, int], float] = {}
+    nxt = next_occurrence(seq) if policy == "optimal" else None
+    hits = 0
+    for t, unit in enumerate(seq):
+        if unit in cache:
+            hits += 1
+            u = cache[unit]
+            cache[unit] = Usage(u.slot, unit[0], t, u.score + 1)
+        else:
+            if len(cache) >= slots:
+                if policy == "optimal":
+                    victim = max(cache, key=lambda k: next_use[k])
+                else:
+                    by_slot = {u.slot: k for k, u in cache.items()}
+                    victim = by_slot[choose_victim(policy, list(cache.values()), unit[0],
+                                                   max(1, slots // n_layers), t)]
+                slot = cache.pop(victim).slot
+            else:
+                slot = len(cache)
+            cache[unit] = Usage(slot, unit[0], t, 1.0)
+        if nxt is not None:
+            next_use[unit] = nxt[t]
+    return hits / len(seq) if seq else 0.0
+
+
+def replay(args: argparse.Namespace) -> int:
+    trace = json.loads(Path(args.trace).read_text())
+    seq = accesses(trace)
+    n_layers = len(trace["moe_layers"])
+    total = trace["num_experts"] * n_layers
+    sizes = [int(s) for s in args.sizes.split(",")]
+    policies = list(POLICIES) + ["optimal"]
+    rows = {}
+    print(f"{len(seq)} expert acquisitions over {n_layers} MoE layers x {trace['num_experts']} experts")
+    print(f"{'cache':>8} " + " ".join(f"{p:>10}" for p in policies))
+    for pct in sizes:
+        slots = max(1, total * pct // 100)
+        rows[pct] = {p: simulate(seq, slots, p, n_layers) for p in policies}
+        print(f"{pct:>7}% " + " ".join(f"{100 * rows[pct][p]:>9.1f}%" for p in policies))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sizes_pct": sizes, "hit_rates": rows}, indent=2))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for p in policies:
+            ax.plot(sizes, [100 * rows[s][p] for s in sizes], marker="o", label=p,
+                    linestyle="--" if p == "optimal" else "-")
+        ax.set_xlabel("expert cache size (% of all experts)")
+        ax.set_ylabel("hit rate (%)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--model", required=True)
+    rec.add_argument("--prompt", default="def main():\n")
+    rec.add_argument("--prompt-file")
+    rec.add_argument("--tokens", type=int, default=128)
+    rec.add_argument("--context", type=int, default=2048)
+    rec.add_argument("--out", required=True)
+    rec.set_defaults(func=record)
+    rep = sub.add_parser("replay")
+    rep.add_argument("trace")
+    rep.add_argument("--sizes", default="5,10,25,50")
+    rep.add_argument("--plot")
+    rep.add_argument("--json")
+    rep.set_defaults(func=replay)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
