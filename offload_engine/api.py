@@ -20,6 +20,7 @@ from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
+from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .spec.decoder import FinishEvent, TokenEvent, decode_stream
 from .spec.sampling import SamplingParams
@@ -65,7 +66,8 @@ class Engine:
         resolved = budget.resolve(checkpoint.total_bytes)
         context = max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
         ops = checkpoint.arch.ops(checkpoint.args, dev, compute_dtype)
-        kv_bytes = context * ops.kv_bytes_per_token(torch.empty((), dtype=compute_dtype).element_size())
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        kv_bytes = context * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
         placement, use_direct = plan_for(checkpoint, resolved, dev, kv_bytes, direct_io)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn)
         model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context)

@@ -12,7 +12,8 @@ sys.path.insert(0, str(ROOT))
 
 from tools.make_checkpoint import make_checkpoint  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next",
+         "qwen3_5_moe_text")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 

@@ -124,6 +124,11 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def parse_config(cfg: Mapping[str, Any], path: Path | str = "config.json") -> ModelSpec:
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping) and "hidden_size" not in cfg:
+        # vision-language releases (Qwen3.5/3.6): the language model's fields are nested; the top-level
+        # model_type is kept because it tells the architecture where the language model's tensors live
+        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text, "model_type": cfg.get("model_type")}
     r = _Reader(cfg, path)
     model_type = r.first("model_type")
     if not isinstance(model_type, str):

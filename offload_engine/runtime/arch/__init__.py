@@ -11,6 +11,8 @@ _MODULES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",  # Kimi K2 ships DeepseekV3ForCausalLM under its own model_type
+    "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",  # transformers' text-only Qwen3_5MoeForCausalLM saves this model_type
 }
 
 
