@@ -7,10 +7,17 @@ tokenizer is a small byte-level BPE trained on the local Python stdlib source,
 which every machine has offline.
 
     python tools/make_checkpoint.py --arch qwen3_moe --preset small --out .cache/demo-model
+
+Hybrid archs (qwen3_next, qwen3_5_moe) also get multi-token-prediction tensors (`mtp.*`, one MTP layer), which
+transformers' classes neither build nor load: they are made from a one-layer model of the same config and saved
+under the released names. qwen3_5_moe is written like its releases, a vision-language checkpoint (nested
+`text_config`, `model.language_model.*`, fused experts, a token vision tower); qwen3_5_moe_text is transformers'
+text-only save of the same model (flat config, `model.*`).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -25,8 +32,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next",
+         "qwen3_5_moe_text")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
+# Released as vision-language checkpoints: nested text_config, language model under model.language_model.*
+VLM_ARCHS = ("qwen3_5_moe",)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention, with MTP
+FUSED_RELEASES = ("qwen3_5_moe",)  # archs whose releases store routed experts fused ([E, 2I, H] / [E, H, I])
+ZERO_CENTERED_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight")
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -92,10 +105,11 @@ def _corpus(cap_bytes: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """Byte-level BPE with ChatML specials; `texts` defaults to a fixed slice of the stdlib (cached per size)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    if vocab_size not in _TOKENIZERS:
+    if texts is not None or vocab_size not in _TOKENIZERS:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -105,7 +119,10 @@ def train_tokenizer(vocab_size: int):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         # ~400 bytes of text per token is plenty for these merges and keeps training well under 2 s.
-        tok.train_from_iterator(_corpus(min(3 << 20, 400 * vocab_size)), trainer=trainer)
+        tok.train_from_iterator(texts if texts is not None else _corpus(min(3 << 20, 400 * vocab_size)),
+                                trainer=trainer)
+        if texts is not None:
+            return tok
         _TOKENIZERS[vocab_size] = tok
     return _TOKENIZERS[vocab_size]
 
@@ -150,22 +167,120 @@ def arch_config(arch: str, p: Preset, vocab: int, eot: int):
             n_shared_experts=1, n_group=n_group, topk_group=n_group // 2, first_k_dense_replace=p.dense_layers,
             routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=p.hidden // 2, kv_lora_rank=p.hidden // 2,
             qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim)
-    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    if arch in HYBRID_ARCHS:
+        return hybrid_config(arch, p, kw, moe, dense)
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + VLM_ARCHS}")
+
+
+def hybrid_config(arch: str, p: Preset, kw: dict[str, Any], moe: dict[str, Any], dense: list[int]):
+    """Qwen3-Next / Qwen3.5-MoE: a full-attention layer every few linear ones (as many kinds as the depth allows),
+    grouped DeltaNet heads (2 value heads per key head, dv = 2 dk so no shape is ambiguous), 25% partial rotary."""
+    import transformers as tf
+
+    every = max(2, min(4, p.layers - 1))
+    text = dict(kw, **moe, head_dim=p.head_dim, partial_rotary_factor=0.25,
+                shared_expert_intermediate_size=2 * p.moe_intermediate, mtp_num_hidden_layers=1,
+                layer_types=["full_attention" if (l + 1) % every == 0 else "linear_attention" for l in range(p.layers)],
+                linear_num_key_heads=max(1, p.heads // 2), linear_num_value_heads=2 * max(1, p.heads // 2),
+                linear_key_head_dim=p.head_dim, linear_value_head_dim=2 * p.head_dim, linear_conv_kernel_dim=4)
+    if arch == "qwen3_next":
+        return tf.Qwen3NextConfig(**text, mlp_only_layers=dense, decoder_sparse_step=1, norm_topk_prob=True)
+    text.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP layers
+    if arch == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(**text)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=p.hidden, patch_size=2,
+                  temporal_patch_size=1, num_position_embeddings=4)  # a token tower: the engine ignores it
+    return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def build_model(arch: str, p: Preset, vocab: int, eot: int, seed: int, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3_5MoeForConditionalGeneration
 
     config = arch_config(arch, p, vocab, eot)
     torch.manual_seed(seed)  # transformers' _init_weights draws from the global RNG
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    if arch in VLM_ARCHS:  # AutoModelForCausalLM would build the text-only class
+        model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     for name, buf in model.named_buffers():
         # Zero correction bias would leave DeepSeek's bias-for-selection path untested.
         if name.endswith("e_score_correction_bias"):
             buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    if arch in HYBRID_ARCHS:
+        _perturb_norms(model, gen)
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
     return model
+
+
+def _perturb_norms(model, gen: torch.Generator) -> None:
+    """Zero-centred norms start at 0 (scale 1 + w): random offsets make a w-vs-(1 + w) mix-up visible."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(ZERO_CENTERED_NORMS):
+                param.add_((0.1 * torch.randn(param.shape, generator=gen)).to(param.dtype))
+
+
+def mtp_tensors(arch: str, model, seed: int) -> dict[str, torch.Tensor]:
+    """The MTP module under its released names: fc [H, 2H], three norms and `mtp_num_hidden_layers` full-attention
+    MoE layers (built by transformers as one-layer models of the same config; experts fused like its internals)."""
+    from transformers import AutoModelForCausalLM
+
+    text = model.config.text_config if arch in VLM_ARCHS else model.config
+    n, H = int(getattr(text, "mtp_num_hidden_layers", 0) or 0), text.hidden_size
+    if not n:
+        return {}
+    one = copy.deepcopy(text)
+    one.num_hidden_layers, one.layer_types = 1, ["full_attention"]
+    if getattr(one, "mlp_only_layers", None):
+        one.mlp_only_layers = []
+    gen = torch.Generator().manual_seed(seed + 2)
+    dtype = model.dtype
+    out = {"mtp.fc.weight": (text.initializer_range * torch.randn((H, 2 * H), generator=gen)).to(dtype)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = (0.1 * torch.randn(H, generator=gen)).to(dtype)
+    for i in range(n):
+        torch.manual_seed(seed + 3 + i)
+        block = AutoModelForCausalLM.from_config(one, dtype=dtype)
+        _perturb_norms(block, gen)
+        prefix = "model.layers.0."
+        out.update({f"mtp.layers.{i}.{k[len(prefix):]}": v.detach().clone() for k, v in block.state_dict().items()
+                    if k.startswith(prefix)})
+    return out
+
+
+def deepseek_mtp_tensors(model, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """`--mtp N` for deepseek_v3: N MTP layers under the released names (DeepSeek-V3 / Kimi K2 / GLM-4.5):
+    model.layers.{L + i}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens} plus a full MoE
+    decoder block under the same prefix (L = num_hidden_layers; experts in transformers' internal fused form,
+    which save_pretrained converts like the trunk's). The layers are transformers' own MtpModel (what
+    generate(use_mtp=True) drafts with), randomly initialized; its weight conversion maps model.layers.{L + i}.*
+    to layers.{i}.mtp_block.* and shared_head.norm to post_norm, and this is the reverse of that mapping."""
+    from transformers.modeling_layers import MtpModel
+
+    model.config.num_mtp_layers = n  # saved as num_nextn_predict_layers (the config's attribute_map)
+    torch.manual_seed(seed + 2)
+    mtp = MtpModel(model, n)
+    for module in mtp.layers.modules():  # MtpModel leaves the experts and router uninitialized
+        model._init_weights(module)
+    gen = torch.Generator().manual_seed(seed + 3)
+    first, out = model.config.num_hidden_layers, {}
+    for name, t in mtp.state_dict().items():
+        if not name.startswith("layers."):
+            continue  # embed_tokens / shared_head are the main model's: written below as the released copies
+        _, k, rest = name.split(".", 2)
+        if rest.endswith(("norm.weight", "e_score_correction_bias")):  # non-trivial, so mix-ups show in tests
+            t = t + (0.1 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        rest = rest.removeprefix("mtp_block.")
+        rest = "shared_head.norm." + rest.removeprefix("post_norm.") if rest.startswith("post_norm.") else rest
+        keep_fp32 = rest.startswith("mlp.gate.")  # the router stays float32 as in the trunk (transformers 5)
+        dtype = torch.float32 if keep_fp32 else model.dtype
+        out[f"model.layers.{first + int(k)}.{rest}"] = t.detach().to(dtype).clone()
+    for k in range(n):
+        prefix = f"model.layers.{first + k}."
+        out[prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight.detach().clone()
+        out[prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    return out
 
 
 def write_tokenizer(tok, out: Path, max_len: int) -> None:
@@ -206,12 +321,20 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
-                    max_shard_size: str | int | None = None, fused_experts: bool = False,
-                    force: bool = False) -> Path:
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
-    if fused_experts and arch not in MOE_ARCHS:
-        raise ValueError(f"--fused-experts needs an MoE arch {MOE_ARCHS}, not {arch!r}")
+                    max_shard_size: str | int | None = None, fused_experts: bool | None = None,
+                    force: bool = False, mtp: int = 0) -> Path:
+    """fused_experts: None writes experts as the arch's releases do (fused for qwen3_5_moe, per expert otherwise).
+    mtp: MTP layers to add in the DeepSeek-V3 naming (deepseek_v3 only)."""
+    if arch not in ARCHS + VLM_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + VLM_ARCHS}")
+    if fused_experts and arch not in MOE_ARCHS + VLM_ARCHS:
+        raise ValueError(f"--fused-experts needs an MoE arch {MOE_ARCHS + VLM_ARCHS}, not {arch!r}")
+    if mtp and arch != "deepseek_v3":
+        raise ValueError(f"--mtp N adds DeepSeek-V3-style MTP layers: it needs --arch deepseek_v3, not {arch!r}")
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        raise ValueError(f"--mtp must be an integer >= 0, got {mtp!r}")
+    if fused_experts is None:
+        fused_experts = arch in FUSED_RELEASES
     p = PRESETS[preset]
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
@@ -226,8 +349,13 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
     steps.update()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        # save_original_format=False keeps transformers' internal fused expert tensors instead of per-expert ones.
-        model.save_pretrained(tmp, max_shard_size=max_shard_size or p.shard, save_original_format=not fused_experts)
+        extra = mtp_tensors(arch, model, seed) if arch in HYBRID_ARCHS else {}
+        if mtp:
+            extra = deepseek_mtp_tensors(model, mtp, seed)
+        # save_original_format=False keeps transformers' internal fused expert tensors instead of per-expert ones
+        # (the conversion applies to the MTP layer's experts too).
+        model.save_pretrained(tmp, max_shard_size=max_shard_size or p.shard, save_original_format=not fused_experts,
+                              **({"state_dict": {**model.state_dict(), **extra}} if extra else {}))
         write_tokenizer(tok, tmp, p.max_pos)
         _publish(tmp, out)
     except BaseException:
@@ -247,18 +375,21 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--arch", required=True, choices=ARCHS + VLM_ARCHS)
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--max-shard-size", default=None, help="e.g. 2MB (default: per preset)")
-    ap.add_argument("--fused-experts", action="store_true", help="write experts as fused [E, 2I, H] / [E, H, I]")
+    ap.add_argument("--fused-experts", action="store_true", default=None,
+                    help="write experts as fused [E, 2I, H] / [E, H, I] (default: as the arch's releases)")
+    ap.add_argument("--mtp", type=int, default=0, metavar="N",
+                    help="add N multi-token-prediction layers in the DeepSeek-V3 naming (deepseek_v3 only)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     a = ap.parse_args(argv)
     try:
         make_checkpoint(a.arch, a.preset, a.out, seed=a.seed, dtype=a.dtype, max_shard_size=a.max_shard_size,
-                        fused_experts=a.fused_experts, force=a.force)
+                        fused_experts=a.fused_experts, force=a.force, mtp=a.mtp)
     except (FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
