@@ -264,19 +264,26 @@ def deepseek_mtp_tensors(model, n: int, seed: int) -> dict[str, torch.Tensor]:
     for module in mtp.layers.modules():  # MtpModel leaves the experts and router uninitialized
         model._init_weights(module)
     gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, t in mtp.state_dict().items():
+            if name.startswith("layers.") and name.endswith(("norm.weight", "e_score_correction_bias")):
+                t.add_((0.1 * torch.randn(t.shape, generator=gen)).to(t.dtype))  # so mix-ups show in tests
+    return released_mtp_tensors(model, mtp)
+
+
+def released_mtp_tensors(model, mtp) -> dict[str, torch.Tensor]:
+    """A transformers MtpModel's layers under DeepSeek's released names (also used for the trained demo model)."""
     first, out = model.config.num_hidden_layers, {}
     for name, t in mtp.state_dict().items():
         if not name.startswith("layers."):
             continue  # embed_tokens / shared_head are the main model's: written below as the released copies
         _, k, rest = name.split(".", 2)
-        if rest.endswith(("norm.weight", "e_score_correction_bias")):  # non-trivial, so mix-ups show in tests
-            t = t + (0.1 * torch.randn(t.shape, generator=gen)).to(t.dtype)
         rest = rest.removeprefix("mtp_block.")
         rest = "shared_head.norm." + rest.removeprefix("post_norm.") if rest.startswith("post_norm.") else rest
         keep_fp32 = rest.startswith("mlp.gate.")  # the router stays float32 as in the trunk (transformers 5)
         dtype = torch.float32 if keep_fp32 else model.dtype
         out[f"model.layers.{first + int(k)}.{rest}"] = t.detach().to(dtype).clone()
-    for k in range(n):
+    for k in range(mtp.num_mtp_layers):
         prefix = f"model.layers.{first + k}."
         out[prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight.detach().clone()
         out[prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
