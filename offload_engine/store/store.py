@@ -62,6 +62,8 @@ class TieredStore:
         self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
         self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
         self.stats = StoreStats()
+        # layer-lru gives each MoE layer an equal share of a tier's expert slots
+        self._expert_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
         self._lock = threading.RLock()
         self._tick = 0
         self.files = ShardFiles(checkpoint.index.shards)
@@ -93,9 +95,6 @@ class TieredStore:
         except BaseException:
             self.close()
             raise
-        # layer-lru: each layer's share of the compute tier's expert slots
-        n_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
-        self._layer_share = max(1, len(self.compute.pools.get("expert", [])) // n_layers)
 
     # ---- loading ----------------------------------------------------------------------------------------
     def _load_pinned(self, progress: bool) -> None:
@@ -217,8 +216,10 @@ class TieredStore:
                               if s.refs == 0 and s.loading is None and s.key is not None]
                 if not candidates:
                     return None
-                slot = pool[choose_victim(self.policy, candidates, key.layer, self._layer_share_for(tier),
-                                          self._tick)]
+                # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
+                policy = self.policy if key.kind == "expert" else "lru"
+                share = max(1, len(pool) // self._expert_layers)
+                slot = pool[choose_victim(policy, candidates, key.layer, share, self._tick)]
                 if slot.prefetched:
                     self.stats.prefetch_wasted += 1
                 del tier.resident[slot.key]
@@ -226,9 +227,6 @@ class TieredStore:
             slot.loading = Future()  # placeholder until the real future is attached
             tier.resident[key] = slot
             return slot
-
-    def _layer_share_for(self, tier: Tier) -> int:
-        return self._layer_share if tier is self.compute else max(1, self._layer_share)
 
     def _drop(self, tier: Tier, slot: Slot) -> None:
         with self._lock:
