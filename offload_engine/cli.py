@@ -11,6 +11,7 @@ import sys
 from typing import Any, Sequence
 
 from .errors import OffloadEngineError
+from .planner.commands import add_plan_parser, add_probe_parser
 from .units import format_bytes
 
 RUN_EXAMPLES = """examples:
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true")
     _common(ins)
     ins.set_defaults(func=cmd_inspect)
+    add_plan_parser(sub)
+    add_probe_parser(sub)
     return parser
 
 
@@ -165,19 +168,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sigint_raises():
+    """For the duration of a command, SIGINT (Ctrl-C) raises KeyboardInterrupt in the main thread, even when the
+    process started with SIGINT ignored (a background job of a non-interactive shell, some CI runners): the
+    engine then unwinds (reader threads joined, descriptors closed) and main returns 130. Returns a function that
+    restores the previous handler. Only the main thread can install handlers; elsewhere this does nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    restore = _sigint_raises()
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # the engine was closed on the way out (its `with` block)
+        try:
+            sys.stdout.flush()
+            print("\ninterrupted", file=sys.stderr)
+        except (KeyboardInterrupt, OSError):  # a second Ctrl-C, or a closed stream: the status still says it
+            pass
         return 130
     except OffloadEngineError as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

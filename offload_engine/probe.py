@@ -2,17 +2,22 @@
 and on CUDA the host -> device copy bandwidth and GPU matmul throughput.
 
 Pure measurement: each function runs one small experiment and returns a frozen dataclass with the figure and
-how it was obtained, so a report can say what was measured. Nothing here plans or changes settings.
+how it was obtained, so a report can say what was measured. Nothing here plans or changes settings. The last
+section reads process and machine counters (storage reads, CPU busy time) so a benchmark can say what else was
+competing for the machine while it measured.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
 
 MiB = 1 << 20
@@ -218,3 +223,72 @@ def measure_gpu_matmul_flops(n: int = 8192, dtype: torch.dtype = torch.bfloat16,
         torch.cuda.synchronize(dev)
         seconds = _cuda_time(lambda: torch.matmul(a, b), repeats, dev)
     return Throughput(2 * n ** 3 / seconds, n, seconds, str(dtype).replace("torch.", ""), str(dev), 1)
+
+
+# ---- process and machine counters ------------------------------------------------------------------------------
+def os_read_bytes() -> int | None:
+    """Bytes this process (all threads) fetched from storage; page-cache hits are not counted."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def cpu_busy_s() -> float:
+    """Machine-wide busy CPU seconds since boot (all processes), from /proc/stat; 0.0 where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Meter:
+    """Wall time, this process's CPU time, the machine's busy CPU time and storage reads between start() and
+    stop(), summed over intervals. On a shared machine `others_cpu` says how much other processes competed."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    busy: float = 0.0
+    read: int | None = 0
+    _t: tuple = ()
+
+    def start(self) -> None:
+        self._t = (time.perf_counter(), time.process_time(), cpu_busy_s(), os_read_bytes())
+
+    def stop(self) -> None:
+        wall, cpu, busy, read = self._t
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.process_time() - cpu
+        self.busy += cpu_busy_s() - busy
+        now = os_read_bytes()
+        self.read = None if self.read is None or now is None or read is None else self.read + now - read
+
+    def per(self, n: int) -> float | None:
+        return None if self.read is None else self.read / max(n, 1)
+
+    @property
+    def cpu_util(self) -> float:
+        return self.cpu / self.wall if self.wall else 0.0
+
+    @property
+    def others_cpu(self) -> float:
+        """Cores used by other processes on average (negative noise clipped: /proc/stat counts in ticks)."""
+        return max(0.0, self.busy - self.cpu) / self.wall if self.wall else 0.0
+
+
+def machine_info() -> dict[str, Any]:
+    """What a benchmark report needs to name the machine (loadavg: now, 1/5/15 min)."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": cpu or platform.processor(), "torch_threads": torch.get_num_threads(),
+            "ram_bytes": psutil.virtual_memory().total, "platform": platform.platform(),
+            "loadavg": os.getloadavg(), "python": platform.python_version()}

@@ -9,10 +9,8 @@ bandwidth and bf16 GEMM throughput.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import platform
-import threading
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -133,66 +131,8 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
 
 
 # ---- probe ------------------------------------------------------------------------------------------------
-READ_CHUNK = 4 << 20  # per request, about an expert's size
+READ_BLOCK = 4 << 20  # per request: about one expert of a large MoE
 READ_THREADS = 4  # as the store's reader pool
-
-
-def measure_direct_read(directory: str | os.PathLike, size: int = 1 << 30) -> tuple[float, float, str]:
-    """(GB/s, latency us, method) of O_DIRECT reads of a scratch file written in `directory` (deleted after).
-    Falls back to buffered reads after POSIX_FADV_DONTNEED where the filesystem refuses O_DIRECT."""
-    path = Path(directory) / f".offload-engine-probe-{os.getpid()}"
-    block = os.urandom(1 << 20)
-    try:
-        with open(path, "wb") as f:
-            for _ in range(max(size // len(block), 1)):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        size = path.stat().st_size
-        method = "O_DIRECT"
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            os.preadv(fd, [mmap.mmap(-1, 4096)], 0)
-        except OSError:
-            method = "buffered after POSIX_FADV_DONTNEED (O_DIRECT refused)"
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            if method != "O_DIRECT" and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            latency = _read_latency(fd, size)
-            if method != "O_DIRECT" and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            offsets = list(range(0, size - READ_CHUNK + 1, READ_CHUNK))
-            start = time.perf_counter()
-            _parallel_reads(fd, offsets)
-            seconds = time.perf_counter() - start
-        finally:
-            os.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-    return len(offsets) * READ_CHUNK / seconds / 1e9, latency, method
-
-
-def _read_latency(fd: int, size: int, n: int = 64) -> float:
-    buf = mmap.mmap(-1, 4096)
-    step = max((size // n) // 4096 * 4096, 4096)
-    start = time.perf_counter()
-    for i in range(n):
-        os.preadv(fd, [buf], (i * step) % max(size - 4096, 4096))
-    return (time.perf_counter() - start) / n * 1e6
-
-
-def _parallel_reads(fd: int, offsets: list[int]) -> None:
-    def worker(mine: list[int]) -> None:
-        buf = mmap.mmap(-1, READ_CHUNK)  # page-aligned, as O_DIRECT requires
-        for off in mine:
-            os.preadv(fd, [buf], off)
-
-    threads = [threading.Thread(target=worker, args=(offsets[i::READ_THREADS],)) for i in range(READ_THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def _best_seconds(fn, repeats: int, sync=None) -> float:
@@ -206,47 +146,43 @@ def _best_seconds(fn, repeats: int, sync=None) -> float:
     return best
 
 
-def measure_host(quick: bool = False) -> dict[str, float]:
-    """RAM copy GB/s, CPU GEMV GB/s (fp32), CPU GEMM GFLOPS (fp32) and the per-op dispatch latency in us."""
+def measure_gemv(device: str = "cpu", quick: bool = False) -> tuple[float, float]:
+    """(weight GB/s of a batch-1 matmul, us per small op): what decode at batch 1 gets from memory, and the
+    fixed dispatch cost of one eager op. fp32 on the CPU (the engine's CPU dtype), bf16 on CUDA."""
     import torch
-    n = 64 << 20 if quick else 256 << 20
-    src, dst = torch.ones(n // 4), torch.empty(n // 4)
-    copy = n / _best_seconds(lambda: dst.copy_(src), 5) / 1e9
-    rows = 4096 if quick else 8192
-    w, x = torch.randn(rows, 8192), torch.randn(1, 8192)
-    gemv = w.numel() * 4 / _best_seconds(lambda: torch.nn.functional.linear(x, w), 5) / 1e9
-    m = 1024 if quick else 2048
-    a, b = torch.randn(m, m), torch.randn(m, m)
-    gflops = 2 * m ** 3 / _best_seconds(lambda: a @ b, 3) / 1e9
-    tiny_w, tiny_x = torch.randn(64, 64), torch.randn(1, 64)
-    reps = 2000
-    op_us = _best_seconds(lambda: [torch.nn.functional.linear(tiny_x, tiny_w) for _ in range(reps)], 3) / reps * 1e6
-    return {"ram_gbps": copy, "cpu_gemv_gbps": gemv, "cpu_gflops": gflops, "cpu_op_us": op_us}
+    import torch.nn.functional as F
+
+    cuda = device != "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else None
+    rows = 4096 if quick else (16384 if cuda else 8192)
+    w = torch.randn(rows, 8192, dtype=dtype, device=device)
+    x = torch.randn(1, 8192, dtype=dtype, device=device)
+    F.linear(x, w)
+    gbps = w.numel() * w.element_size() / _best_seconds(lambda: F.linear(x, w), 5, sync) / 1e9
+    tw, tx, reps = torch.randn(64, 64, device=device), torch.randn(1, 64, device=device), 2000
+    op_us = _best_seconds(lambda: [F.linear(tx, tw) for _ in range(reps)], 3, sync) / reps * 1e6
+    return gbps, op_us
 
 
-def measure_cuda(quick: bool = False) -> dict[str, float] | None:
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    dev = torch.device("cuda")
-    sync = torch.cuda.synchronize
-    n = 256 << 20
-    host = torch.empty(n, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(n, dtype=torch.uint8, device=dev)
-    pcie = n / _best_seconds(lambda: dst.copy_(host, non_blocking=True), 5, sync) / 1e9
-    w = torch.randn(16384, 16384, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(1, 16384, device=dev, dtype=torch.bfloat16)
-    gemv = w.numel() * 2 / _best_seconds(lambda: torch.nn.functional.linear(x, w), 10, sync) / 1e9
-    m = 4096 if quick else 8192
-    a = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    tflops = 2 * m ** 3 / _best_seconds(lambda: a @ a, 5, sync) / 1e12
-    tiny = torch.randn(1, 64, device=dev)
-    tw = torch.randn(64, 64, device=dev)
-    reps = 2000
-    op_us = _best_seconds(lambda: [torch.nn.functional.linear(tiny, tw) for _ in range(reps)], 3, sync) / reps * 1e6
-    free, total = torch.cuda.mem_get_info(dev)
-    return {"vram_bytes": int(total), "pcie_gbps": pcie, "gpu_mem_gbps": gemv, "gpu_tflops": tflops,
-            "gpu_op_us": op_us, "gpu_name": torch.cuda.get_device_name(dev)}
+def measure_read(directory: str | os.PathLike, nbytes: int) -> tuple[Any, float]:
+    """O_DIRECT reads (offload_engine.probe) of a scratch file written in `directory`, 4 MiB x 4 threads,
+    and the latency of one 4 KiB read; the file is deleted afterwards."""
+    from .. import probe as measure
+
+    path = Path(directory) / f".offload-engine-probe-{os.getpid()}"
+    block = os.urandom(1 << 20)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(nbytes >> 20, 8)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        bw = measure.measure_direct_read_bandwidth(path, nbytes, READ_BLOCK, READ_THREADS, repeats=3)
+        small = measure.measure_direct_read_bandwidth(path, 64 * 4096, 4096, 1)
+    finally:
+        path.unlink(missing_ok=True)
+    return bw, small.seconds / 64 * 1e6
 
 
 def ram_total() -> int:
@@ -264,29 +200,35 @@ def ram_total() -> int:
 def probe(directory: str | os.PathLike = ".", name: str | None = None, read_bytes: int = 1 << 30,
           quick: bool = False) -> HardwareProfile:
     """Measure this machine and return its profile (nothing is written here)."""
-    read_gbps, latency, method = measure_direct_read(directory, read_bytes)
-    host = measure_host(quick)
-    cuda = measure_cuda(quick)
+    import torch
+
+    from .. import probe as measure
+
     where = f"probe on {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}"
-    sources = {
-        "nvme_gbps": f"{method} 4 MiB reads x {READ_THREADS} threads of a {format_bytes(read_bytes)} file in "
-                     f"{Path(directory).resolve()}; {where}",
-        "ram_gbps": f"torch copy_ of 256 MiB fp32; {where}",
-        "cpu_gemv_gbps": f"fp32 [8192 x 8192] @ [1 x 8192], weight bytes / time; {where}",
-        "cpu_gflops": f"fp32 2048^3 matmul; {where}",
-        "cpu_op_us": f"F.linear [1x64]x[64x64] dispatch; {where}",
-    }
+    disk, latency = measure_read(directory, read_bytes)
+    memcpy = measure.measure_memcpy_bandwidth(64 << 20 if quick else 256 << 20)
+    gemm = measure.measure_cpu_matmul_flops(1024 if quick else 2048)
+    cpu_gemv, cpu_op = measure_gemv("cpu", quick)
     values: dict[str, Any] = {"vram_bytes": 0, "gpu_mem_gbps": 0.0, "gpu_tflops": 0.0, "pcie_gbps": 0.0}
-    description = f"probed: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-    if cuda:
-        gpu_name = cuda.pop("gpu_name")
-        values.update(cuda)
-        description += f", {gpu_name}"
-        sources.update({"pcie_gbps": f"pinned 256 MiB host->device copy; {where}",
-                        "gpu_mem_gbps": f"bf16 [16384 x 16384] GEMV; {where}",
-                        "gpu_tflops": f"bf16 matmul; {where}", "gpu_op_us": f"tiny F.linear on CUDA; {where}",
+    sources = {"nvme_gbps": f"{disk.method}, {READ_BLOCK >> 20} MiB x {READ_THREADS} threads, median of 3, scratch "
+                            f"file in {Path(directory).resolve()}; {where}",
+               "nvme_latency_us": f"one 4 KiB read, {disk.method}; {where}",
+               "ram_gbps": f"{memcpy.method}; {where}", "cpu_gflops": f"fp32 {gemm.n}^3 matmul; {where}",
+               "cpu_gemv_gbps": f"fp32 [rows x 8192] @ [1 x 8192], weight bytes / time; {where}",
+               "cpu_op_us": f"F.linear [1x64]x[64x64], per call; {where}"}
+    description = f"probed: {platform.machine()}, {os.cpu_count()} CPUs"
+    if torch.cuda.is_available():
+        h2d, mm = measure.measure_h2d_bandwidth(), measure.measure_gpu_matmul_flops(4096 if quick else 8192)
+        gpu_gemv, gpu_op = measure_gemv("cuda", quick)
+        values = {"vram_bytes": torch.cuda.mem_get_info()[1], "gpu_mem_gbps": round(gpu_gemv, 1),
+                  "gpu_tflops": round(mm.flops_per_s / 1e12, 1), "pcie_gbps": round(h2d.bytes_per_s / 1e9, 2),
+                  "gpu_op_us": round(gpu_op, 2)}
+        description += f", {torch.cuda.get_device_name()}"
+        sources.update({"pcie_gbps": f"{h2d.method}; {where}", "gpu_mem_gbps": f"bf16 GEMV; {where}",
+                        "gpu_tflops": f"bf16 {mm.n}^3 matmul; {where}", "gpu_op_us": f"tiny F.linear; {where}",
                         "vram_bytes": "torch.cuda.mem_get_info total"})
-    return HardwareProfile(name=name or platform.node() or "this-machine", description=description,
-                           ram_bytes=ram_total(), nvme_gbps=round(read_gbps, 3), nvme_latency_us=round(latency, 1),
-                           **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in {**values, **host}.items()},
-                           sources=sources)
+    return HardwareProfile(
+        name=name or platform.node() or "this-machine", description=description, ram_bytes=ram_total(),
+        ram_gbps=round(memcpy.bytes_per_s / 1e9, 2), cpu_gemv_gbps=round(cpu_gemv, 2),
+        cpu_gflops=round(gemm.flops_per_s / 1e9, 1), nvme_gbps=round(disk.bytes_per_s / 1e9, 3),
+        nvme_latency_us=round(latency, 1), cpu_op_us=round(cpu_op, 2), sources=sources, **values)

@@ -1,0 +1,386 @@
+"""The `plan` and `probe` subcommands (registered by cli.py), and what tools/plan.py adds: --calibrate against a
+bench JSON and the SCALE.md table. Each command parses, calls the planner, and prints."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import BudgetError, ConfigError
+from ..units import format_bytes, parse_bytes
+from . import costs
+from .hardware import HardwareProfile, load_profile, probe, save_profile
+from .plan import (FORMAT_BITS, ModelShape, Plan, PlanOptions, WeightFormat, load_model_spec, model_shape,
+                   plan, unit_bytes)
+from .report import plan_json, plan_text
+
+DEFAULT_PROFILE = "rtx4070-12gb"
+PLAN_EXAMPLES = """examples:
+  offload-engine plan --model Qwen3-30B-A3B --vram 12GiB --ram 64GiB --context 8192
+  offload-engine plan --model DeepSeek-V3 --hardware rtx4090-24gb --weights int4 --spec mtp --json
+  offload-engine plan --model ~/models/Qwen3-30B-A3B --probe
+models: the names in configs/models/ or a folder with config.json; hardware: configs/hardware/ or a JSON file
+"""
+PROBE_EXAMPLES = """examples:
+  offload-engine probe --out configs/hardware/this-machine.json
+  offload-engine probe --dir /nvme/models --size 4GiB --json
+"""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required, help="configs/models NAME, a folder with config.json, or a file")
+    p.add_argument("--vram", help="device budget: 12GiB, 11000MB, or 10%% of the model's bytes (default: the "
+                                  "profile's VRAM less a 0.75 GiB reserve and activations)")
+    p.add_argument("--ram", help="host RAM budget, same forms (default: the profile's RAM less 2 GiB)")
+    hw = p.add_mutually_exclusive_group()
+    hw.add_argument("--hardware", help=f"profile NAME in configs/hardware or a JSON file (default {DEFAULT_PROFILE})")
+    hw.add_argument("--probe", action="store_true", help="measure this machine (quick probe) and plan for it")
+    p.add_argument("--context", type=int, default=4096, help="KV cache positions reserved (default 4096)")
+    p.add_argument("--weights", choices=sorted(FORMAT_BITS), help="weight format (default: the checkpoint's)")
+    p.add_argument("--spec", default="off", choices=["off", "auto", "mtp", "ngram"], help="speculative decoding")
+    p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
+    p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
+    p.add_argument("--trace", help="routing trace JSON {\"tokens\": [[[expert, ...] per MoE layer] per token]}")
+    p.add_argument("--alpha", type=float, default=costs.DEFAULT_ALPHA,
+                   help=f"expert locality (hits = cached fraction ** alpha; 1 = uniform routing; default "
+                        f"{costs.DEFAULT_ALPHA})")
+    p.add_argument("--recall", type=float, default=costs.DEFAULT_RECALL,
+                   help="prefetch recall: share of expert reads issued a layer ahead (default 0, conservative; the "
+                        "engine's prefetcher reports its measured recall in the run stats)")
+    p.add_argument("--host-compute", action="store_true", help="compute experts resident in RAM on the CPU")
+    p.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
+                   help="as `run`: O_DIRECT staging buffers; auto: on when the weights exceed --ram")
+    p.add_argument("--position", type=int, help="tokens in the cache at the predicted step (default context/2)")
+    p.add_argument("--overhead-scale", type=float, default=1.0,
+                   help="multiply the per-op and per-unit software costs (0: the bound the hardware sets)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="plan placement and predict decode speed from config.json alone",
+                              epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(p)
+    _common(p)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def add_probe_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("probe", help="measure this machine and write a hardware profile",
+                              epilog=PROBE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the profile here (JSON); usable as --hardware FILE")
+    p.add_argument("--dir", default=".", help="where to write the scratch file read back with O_DIRECT "
+                                              "(put it on the disk that holds the models; default .)")
+    p.add_argument("--size", default="1GiB", help="scratch file size (default 1GiB)")
+    p.add_argument("--name", help="profile name (default: the host name)")
+    p.add_argument("--quick", action="store_true", help="smaller measurements (seconds)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_probe)
+    return p
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------
+def resolve_profile(args: argparse.Namespace) -> HardwareProfile:
+    """--probe: a quick probe, reading back a scratch file in the model's folder when it is one (its disk)."""
+    if getattr(args, "probe", False):
+        folder = Path(args.model or ".").expanduser()
+        return probe(folder if folder.is_dir() else ".", read_bytes=256 << 20, quick=True)
+    return load_profile(args.hardware or DEFAULT_PROFILE)
+
+
+def _size(value: str | None, flag: str, total: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value, what=flag, total=total)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def options_from_args(args: argparse.Namespace, shape: ModelShape) -> PlanOptions:
+    fmt = WeightFormat.of(shape.spec, args.weights)
+    total = sum(unit_bytes(k, v, fmt) for k, v in shape.schema.units.items())
+    trace = None
+    if args.trace:
+        try:
+            trace = json.loads(Path(args.trace).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--trace {args.trace}: {e}") from None
+    if args.context < 1:
+        raise ConfigError(f"--context must be >= 1, got {args.context}")
+    return PlanOptions(vram=_size(args.vram, "--vram", total), ram=_size(args.ram, "--ram", total),
+                       context=args.context, weights=args.weights, spec=args.spec, recall=args.recall,
+                       alpha=args.alpha, host_compute=args.host_compute, position=args.position, trace=trace,
+                       direct_io=args.direct_io, accept=args.accept, drafts=args.drafts,
+                       overhead_scale=args.overhead_scale)
+
+
+def build_plan(args: argparse.Namespace) -> tuple[Plan, list]:
+    shape = model_shape(load_model_spec(args.model))
+    profile = resolve_profile(args)
+    p = plan(shape, profile, options_from_args(args, shape))
+    return p, what_ifs(p)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    p, ifs = build_plan(args)
+    print(json.dumps(plan_json(p, ifs), indent=2) if args.json else plan_text(p, ifs))
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    size = _size(args.size, "--size", 0)
+    if not Path(args.dir).is_dir():
+        raise ConfigError(f"--dir {args.dir}: not a directory")
+    if not args.quiet and not args.json:
+        print(f"probing: {args.size} scratch file in {Path(args.dir).resolve()}, RAM, CPU"
+              f" (and CUDA if present)...", file=sys.stderr)
+    profile = probe(args.dir, name=args.name, read_bytes=size, quick=args.quick)
+    if args.out:
+        path = save_profile(profile, args.out)
+        if not args.json:
+            print(f"profile written: {path}")
+    print(json.dumps(profile.to_dict(), indent=2) if args.json else profile.describe())
+    return 0
+
+
+# ---- what-ifs: the smallest change that doubles the speed -------------------------------------------------
+@dataclass(frozen=True)
+class WhatIf:
+    change: str
+    tok_s: float | None  # expected decode tok/s after the change; None: infeasible
+    factor: float | None
+    bottleneck: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "tok_s": None if self.tok_s is None else round(self.tok_s, 4),
+                "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
+                "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
+
+
+BUDGET_STEPS = (1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+def what_ifs(base: Plan) -> list[WhatIf]:
+    """The smallest change of each kind that doubles the expected speed (or the best it gets): more RAM, more
+    VRAM (smallest budget found among BUDGET_STEPS multiples), int4 experts, faster links, host compute, a
+    prefetcher."""
+    shape, prof, o = base.shape, base.profile, base.options
+    out: list[WhatIf] = []
+
+    def attempt(change: str, profile: HardwareProfile = prof, note: str = "", **opts: Any) -> WhatIf:
+        try:
+            p = plan(shape, profile, dataclasses.replace(o, **opts))
+        except (BudgetError, ConfigError) as e:
+            return WhatIf(change, None, None, note=f"infeasible: {e}")
+        return WhatIf(change, p.expected, p.expected / base.expected, p.steps["expected"].bottleneck, note)
+
+    host = base.placement.tiers[-1]
+    needed = sum(base.unit_bytes.values()) + base.kv_bytes  # every unit resident, nothing streamed
+    for tier, label in (("host", "RAM"), ("device", "VRAM")):
+        t = next((x for x in base.placement.tiers if x.name == tier), None)
+        if t is None or t.budget is None or (tier == "device" and not prof.has_gpu):
+            continue
+        if all(k in t.pinned for k in base.placement.sizes) or (tier == "host" and all(
+                base.placement.home(k) != "disk" for k in base.placement.sizes)):
+            continue  # this tier already holds everything it could
+        tried = None
+        for step in BUDGET_STEPS:
+            new = int(t.budget * step)
+            physical = {"ram_bytes": max(prof.ram_bytes, new + base.reserve["host"])} if tier == "host" else \
+                {"vram_bytes": max(prof.vram_bytes, new + base.reserve["device"])}
+            tried = attempt(f"{label} {format_bytes(t.budget)} -> {format_bytes(new)}", prof.with_changes(**physical),
+                            **({"ram": new, "vram": base.placement.compute.budget if base.separate_host else None}
+                               if tier == "host" else {"vram": new, "ram": host.budget}))
+            if (tried.factor and tried.factor >= 2) or new > needed:
+                break
+        if tried:
+            out.append(tried)
+    if base.fmt.expert_bits > FORMAT_BITS["int4"] and shape.moe_layers:
+        out.append(attempt("int4 experts (4.5 bits/weight)", expert_weights="int4"))
+    if base.fmt.dense_bits > FORMAT_BITS["int4"]:
+        out.append(attempt("int4 everywhere (4.5 bits/weight)", weights="int4"))
+    if prof.has_gpu:
+        out.append(attempt(f"PCIe x2 ({prof.pcie_gbps:g} -> {2 * prof.pcie_gbps:g} GB/s)",
+                           prof.with_changes(pcie_gbps=2 * prof.pcie_gbps)))
+        out.append(attempt(f"GPU memory bandwidth x2", prof.with_changes(gpu_mem_gbps=2 * prof.gpu_mem_gbps)))
+        if not o.host_compute and shape.moe_layers:
+            out.append(attempt("compute host-resident experts on the CPU", host_compute=True))
+    else:
+        out.append(attempt(f"RAM bandwidth x2 ({prof.cpu_gemv_gbps:g} -> {2 * prof.cpu_gemv_gbps:g} GB/s)",
+                           prof.with_changes(cpu_gemv_gbps=2 * prof.cpu_gemv_gbps, ram_gbps=2 * prof.ram_gbps)))
+    if any(base.placement.home(k) == "disk" for k in base.placement.sizes):
+        out.append(attempt(f"NVMe x2 ({prof.nvme_gbps:g} -> {2 * prof.nvme_gbps:g} GB/s)",
+                           prof.with_changes(nvme_gbps=2 * prof.nvme_gbps)))
+    if o.overhead_scale > 0:
+        out.append(attempt("software overhead / 10 (CUDA graphs, batched expert dispatch)" if prof.has_gpu else
+                           "software overhead / 10 (batched expert dispatch)", overhead_scale=o.overhead_scale / 10))
+        out.append(attempt("no software overhead (the hardware bound)", overhead_scale=0.0,
+                           note="every op and unit dispatch free"))
+    if o.recall < 0.886 and shape.moe_layers:
+        out.append(attempt("prefetcher with recall 0.886 (router lookahead)", recall=0.886))
+    return out
+
+
+# ---- calibration against tools/bench.py ------------------------------------------------------------------------
+def bench_runs(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """(budget_pct, engine run) pairs of a bench JSON: `rows[*].engine` (+ `resident`), or a plain list."""
+    rows = bench.get("rows") if isinstance(bench, dict) else bench
+    runs = [r.get("engine", r) | {"budget_pct": r.get("budget_pct")} for r in rows or [] if isinstance(r, dict)]
+    if isinstance(bench, dict) and isinstance(bench.get("resident"), dict):
+        runs.insert(0, bench["resident"] | {"budget_pct": None})
+    if not runs:
+        raise ConfigError("bench JSON: no runs found (expected rows[*].budget_pct and rows[*].engine)")
+    return runs
+
+
+def profile_from_bench(bench: dict[str, Any]) -> HardwareProfile:
+    """The bench's own probe (disk at unit size x 4 threads, memcpy, CPU GEMM) + GEMV/op latency measured now."""
+    from .hardware import measure_gemv, ram_total
+
+    pr = bench.get("probe") or {}
+    disks = [d for d in pr.get("disk", []) if d.get("threads") == 4] or pr.get("disk", [])
+    if not disks or "memcpy" not in pr:
+        raise ConfigError("bench JSON has no probe section: pass --hardware FILE (offload-engine probe --out FILE)")
+    disk = sorted(d["bytes_per_s"] for d in disks)[len(disks) // 2]
+    gemv, op = measure_gemv("cpu")
+    return HardwareProfile(name="bench-probe", description="from the bench's probe + GEMV measured now",
+                           vram_bytes=0, ram_bytes=ram_total(), gpu_mem_gbps=0, gpu_tflops=0, pcie_gbps=0,
+                           ram_gbps=pr["memcpy"]["bytes_per_s"] / 1e9, cpu_gemv_gbps=gemv,
+                           cpu_gflops=pr.get("cpu_matmul", {}).get("flops_per_s", 5e10) / 1e9,
+                           nvme_gbps=disk / 1e9, cpu_op_us=op, sources={"all": "tools/bench.py probe section"})
+
+
+def expert_hit_rate(p: Plan, overall: float) -> float:
+    """The engine reports hits over every compute-tier acquisition; keep the experts' share (the planner's
+    non-expert hits are exact: pinned or scanned)."""
+    flows = {k: v for k, v in p.hits["expected"].items()}
+    s = p.shape.spec
+    counts = {"embed": 1, "head": 1, "dense": s.num_layers}
+    non_hits = sum(n * flows[k][0] for k, n in counts.items() if k in flows)
+    experts = len(p.shape.moe_layers) * s.num_experts_per_tok
+    total = sum(counts.values()) + experts
+    return min(max((overall * total - non_hits) / experts, 0.0), 1.0) if experts else overall
+
+
+def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile | None,
+              alpha: float = 1.0) -> tuple[list[dict[str, Any]], str]:
+    model = model or (bench.get("model") or {}).get("path")
+    if not model:
+        raise ConfigError("bench JSON names no model path: pass --model DIR")
+    profile = profile or profile_from_bench(bench)
+    shape = model_shape(load_model_spec(model))
+    settings = bench.get("settings") or {}
+    prompt, tokens = settings.get("prompt_len", 32), settings.get("tokens", 32)
+    total = sum(unit_bytes(k, v, WeightFormat.of(shape.spec, None)) for k, v in shape.schema.units.items())
+    rows = []
+    for run in bench_runs(bench):
+        pct = run.get("budget_pct")
+        measured = run.get("decode_tok_s", run.get("tok_s"))
+        recall = (run.get("prefetch") or {}).get("recall") or 0.0  # the prefetcher's measured recall
+        opts = PlanOptions(ram=None if pct is None else int(total * pct / 100), context=prompt + tokens + 8,
+                           position=prompt + tokens // 2, alpha=alpha, recall=recall,
+                           direct_io="auto" if pct is None or pct >= 100 else "on")
+        if pct is None:
+            opts = PlanOptions(ram=10 * total, context=opts.context, position=opts.position, alpha=alpha)
+        base = plan(shape, profile, opts)
+        row = {"budget_pct": pct, "measured_tok_s": measured, "predicted_tok_s": base.expected,
+               "bottleneck": base.steps["expected"].bottleneck, "hit_rate_measured": run.get("hit_rate"),
+               "others_cpu": run.get("others_cpu"), "disk_mb_measured": _mb(run.get("bytes_read_disk_per_token")),
+               "disk_mb_predicted": _mb(base.steps["expected"].bytes_disk)}
+        if run.get("hit_rate") is not None and shape.moe_layers:
+            hit = expert_hit_rate(base, run["hit_rate"])
+            with_hits = plan(shape, profile, PlanOptions(**{**opts.__dict__, "stats": {"expert_hit_rate": hit}}))
+            row.update(expert_hit_rate=hit, predicted_with_measured_hits=with_hits.expected,
+                       disk_mb_predicted_with_hits=_mb(with_hits.steps["expected"].bytes_disk))
+        rows.append(row)
+    lines = [f"calibration: {model} on {profile.name} (alpha {alpha:g} for the locality prediction)",
+             f"{'budget':>8} {'measured':>10} {'predicted':>10} {'error':>8} {'w/ hits':>10} {'error':>8} "
+             f"{'others':>7} {'disk MB/token: measured / predicted / w/ hits':>46}  bottleneck"]
+    for r in rows:
+        m = r["measured_tok_s"]
+        err = lambda x: f"{100 * (x - m) / m:+7.1f}%" if m and x is not None else "       -"  # noqa: E731
+        w = r.get("predicted_with_measured_hits")
+        label = "resident" if r["budget_pct"] is None else f"{r['budget_pct']:g}%"
+        lines.append(f"{label:>8} {m or 0:>10.2f} {r['predicted_tok_s']:>10.2f} {err(r['predicted_tok_s'])} "
+                     f"{w if w is not None else float('nan'):>10.2f} {err(w)} {_others(r['others_cpu'])} "
+                     f"{_fmt(r['disk_mb_measured']):>22} / {_fmt(r['disk_mb_predicted']):>8} / "
+                     f"{_fmt(r.get('disk_mb_predicted_with_hits')):>8}  {r['bottleneck']}")
+    if any((r["others_cpu"] or 0) > CONTENDED for r in rows):
+        lines.append(f"*: other processes used > {CONTENDED:g} cores during the run; its measurement is not a "
+                     f"calibration point (rerun on a quiet machine)")
+    return rows, "\n".join(lines)
+
+
+CONTENDED = 0.25  # cores used by other processes during a bench run (bench's others_cpu)
+
+
+def _mb(x: float | None) -> float | None:
+    return None if x is None else round(x / 1e6, 2)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _others(x: float | None) -> str:
+    return "      -" if x is None else f"{x:6.2f}{'*' if x > CONTENDED else ' '}"
+
+
+# ---- the SCALE.md table ------------------------------------------------------------------------------------
+SCALE_MODELS = ("Qwen3-30B-A3B", "Qwen3.5-35B-A3B", "Qwen3-Next-80B-A3B", "gpt-oss-120b", "Mixtral-8x7B",
+                "Llama-3.1-70B", "Qwen3-235B-A22B", "DeepSeek-V3", "Kimi-K2")
+SCALE_PROFILES = ("rtx4070-12gb", "rtx4090-24gb", "v100-16gb-pcie3")
+SCALE_WEIGHTS = ("bf16", "fp8", "int4")
+
+
+def scale_rows(models: Sequence[str] = SCALE_MODELS, profiles: Sequence[str] = SCALE_PROFILES,
+               weights: Sequence[str] = SCALE_WEIGHTS, context: int = 4096) -> list[dict[str, Any]]:
+    rows = []
+    for name in models:
+        shape = model_shape(load_model_spec(name))
+        for prof_name in profiles:
+            prof = load_profile(prof_name)
+            for w in weights:
+                row: dict[str, Any] = {"model": name, "hardware": prof_name, "weights": w}
+                try:
+                    p = plan(shape, prof, PlanOptions(context=context, weights=w))
+                except Exception as e:  # a refused plan is a row too
+                    rows.append(row | {"error": str(e).split(" (hint")[0]})
+                    continue
+                j = plan_json(p)
+                ex = j["placement"]["summary"].get("expert", {}).get("tiers", {})
+                bound = plan(shape, prof, PlanOptions(context=context, weights=w, overhead_scale=0.0))
+                row.update(bytes=p.bytes_total, dense_home=p.placement.home("dense"), bound=bound.tok_s,
+                           experts_vram_pct=ex.get("device", {}).get("pct", 0.0),
+                           experts_ram_pct=ex.get("host", {}).get("pct", 0.0),
+                           tok_s=j["predicted_tok_s"], bottleneck=j["bottleneck"], warnings=p.warnings)
+                rows.append(row)
+    return rows
+
+
+def scale_markdown(rows: list[dict[str, Any]]) -> str:
+    out = ["| model | hardware | weights | weights GiB | dense in | experts VRAM / RAM | no hits | expected | "
+           "all hits | hardware bound (expected / all hits) | bottleneck (expected) |",
+           "|---|---|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['hardware']} | {r['weights']} | | refused | {r['error'][:90]} | | | | | |")
+            continue
+        t = r["tok_s"]
+        out.append(f"| {r['model']} | {r['hardware']} | {r['weights']} | {r['bytes'] / 2**30:.1f} | "
+                   f"{r['dense_home']} | {r['experts_vram_pct']:.1f}% / {r['experts_ram_pct']:.1f}% | "
+                   f"{t['no_hits']:.2f} | {t['expected']:.2f} | {t['all_hits']:.2f} | "
+                   f"{r['bound']['expected']:.1f} / {r['bound']['all_hits']:.1f} | {r['bottleneck']} |")
+    return "\n".join(out)

@@ -1,0 +1,266 @@
+"""The cost model: seconds per decode step from what a step touches, where it lives, and a HardwareProfile.
+
+Everything here is a pure function of numbers; `plan.py` derives the numbers from the placement. The
+assumptions, each printed with the plan (ASSUMPTIONS):
+
+A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight bandwidth, 2 * params *
+   tokens / FLOPs) on the tier that computes it (device memory bandwidth on a GPU, CPU GEMV bandwidth on the
+   host), plus a fixed dispatch cost for each of the unit's ops (OPS_PER_UNIT x gpu_op_us or cpu_op_us) and
+   the engine's Python bookkeeping per acquired unit (acquire, release, tensor views, routing glue), which
+   costs as much as ENGINE_UNIT_OPS small torch ops on the host CPU (ENGINE_UNIT_OPS x cpu_op_us; measured
+   on the CPU engine with a model whose weights are negligible). Attention also reads the KV cache.
+A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
+   copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
+   nvme_latency_us / READERS + bytes / nvme_gbps.
+A3 The store's reader pool (READERS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
+A4 Overlap: reads of missing experts overlap the compute of the layer's other experts ("resident first");
+   a fraction `recall` of expert reads (the prefetcher's measured recall) and every dense-layer read (when a
+   prefetcher runs) are issued a layer ahead and overlap earlier compute. The rest stalls:
+   t = max(C + demand - min(demand_experts, C_experts_overlappable), link time).
+A5 With host compute, routed experts not resident on the device run on the CPU where they live (no PCIe copy):
+   CPU GEMV bandwidth + cpu_op_us per op, concurrently with the GPU's work on resident experts.
+A6 Hit rates. Dense layers are scanned in order: a partial cache of n < L slots keeps n - 1 of them under
+   layer-lru (it evicts the lowest layer). Routed experts: a cache holding a fraction f of a layer's experts
+   serves f ** alpha of its uses. alpha = 1 is uniform routing (no locality); DEFAULT_ALPHA = 0.4 is a stated
+   middle ground: published LRU traces on Qwen3-30B-A3B and Qwen3.6-35B-A3B (FIELD-NOTES: 70-85% hits at
+   20-65% of experts cached) imply alpha 0.2-0.35. A routing trace (--trace) replaces it with a simulation.
+A7 Speculation: a verify step of m tokens touches the union of their experts, N * (1 - (1 - k/N) ** m) per
+   layer (independent tokens: an upper bound), and accepts 1 + a + ... + a**d tokens (chain of d drafts,
+   per-position acceptance a).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from .hardware import HardwareProfile
+
+DEFAULT_ALPHA = 0.4
+DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router lookahead: 0.886 on Qwen3-30B-A3B)
+READERS = 4  # store.build.READER_THREADS
+ENGINE_UNIT_OPS = 35.0  # engine bookkeeping per unit in small-op equivalents (CPU engine, offload preset: 35-65)
+OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
+LINKS = ("PCIe", "NVMe")
+
+ASSUMPTIONS = [" ".join(item.split()) for item in re.split(r"\n(?=A\d )", __doc__.split("(ASSUMPTIONS):")[1].strip())]
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Uses of one kind of unit in one step, and where a use finds the unit."""
+
+    kind: str
+    uses: float  # units of this kind computed per step
+    unit_bytes: float  # mean bytes of one unit
+    unit_params: float  # mean parameters of one unit
+    tokens: float  # tokens each use processes (flops)
+    p_device: float  # found on the compute tier
+    p_host: float  # found on the host tier, not on the compute tier
+    groups: int = 1  # layers the uses are spread over (overlap is within a layer)
+    compute_bytes: float | None = None  # bytes one use reads when computed (default unit_bytes; embedding: a row)
+
+    @property
+    def p_disk(self) -> float:
+        return max(0.0, 1.0 - self.p_device - self.p_host)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The rates of one execution setup, from a profile and the tier layout."""
+
+    compute: str  # "gpu" | "cpu"
+    weight_gbps: float  # compute tier reading weights
+    flops: float  # compute tier, FLOP/s
+    op_us: float
+    h2d_gbps: float | None  # host tier -> compute tier; None: one tier (the compute tier is the host)
+    nvme_gbps: float
+    nvme_latency_us: float
+    cpu_gbps: float
+    cpu_flops: float
+    cpu_op_us: float
+
+    @classmethod
+    def of(cls, profile: HardwareProfile, separate_host: bool) -> "Machine":
+        if profile.has_gpu:
+            return cls("gpu", profile.gpu_mem_gbps, profile.gpu_tflops * 1e12, profile.gpu_op_us, profile.pcie_gbps,
+                       profile.nvme_gbps, profile.nvme_latency_us, profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9,
+                       profile.cpu_op_us)
+        return cls("cpu", profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us,
+                   profile.ram_gbps if separate_host else None, profile.nvme_gbps, profile.nvme_latency_us,
+                   profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    compute_s: float  # weights (and KV) through the compute tier: max(bandwidth, FLOPs) per unit
+    overhead_s: float  # per-op dispatch and per-unit bookkeeping
+    cpu_s: float  # experts computed on the CPU (host compute)
+    pcie_s: float  # host -> compute tier copies (PCIe, or RAM copies on a CPU engine)
+    nvme_s: float  # disk reads
+    stall_s: float  # link time not hidden behind compute
+    bytes_h2d: float
+    bytes_disk: float
+    bottleneck: str
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def hit_fraction(cached_fraction: float, alpha: float) -> float:
+    """A6: the share of uses a cache holding `cached_fraction` of the units serves."""
+    f = min(max(cached_fraction, 0.0), 1.0)
+    return 1.0 if f >= 1.0 else f ** alpha if f > 0 else 0.0
+
+
+def scan_hit_fraction(slots: int, count: int) -> float:
+    """A6: a kind read in order every step (dense layers) through `slots` < `count` slots under layer-lru."""
+    return 1.0 if slots >= count else max(slots - 1, 0) / count
+
+
+def expert_union(n_experts: int, k: int, tokens: float) -> float:
+    """A7: expected distinct experts per layer touched by `tokens` independently routed tokens."""
+    if n_experts <= 0 or k <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def accepted_per_step(drafts: int, accept: float) -> float:
+    """A7: expected tokens accepted per verify step (bonus token included) for a chain of `drafts`."""
+    return sum(accept ** j for j in range(drafts + 1))
+
+
+def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, host_compute: bool = False,
+              kv_read_bytes: float = 0.0, prefetch_dense: bool | None = None,
+              overhead_scale: float = 1.0) -> StepCost:
+    """Seconds for one step (A1-A5). `kv_read_bytes`: KV cache bytes attention reads in the step;
+    `overhead_scale` multiplies every dispatch and bookkeeping cost (0: the bound the hardware sets)."""
+    prefetch_dense = recall > 0 if prefetch_dense is None else prefetch_dense
+    compute = kv_read_bytes / (m.weight_gbps * 1e9)
+    overhead = cpu = 0.0
+    h2d = {"dense": 0.0, "expert": 0.0}
+    disk = {"dense": 0.0, "expert": 0.0}
+    reads = {"dense": 0.0, "expert": 0.0}
+    expert_compute = overlappable = 0.0
+    for f in flows:
+        side = "expert" if f.kind == "expert" else "dense"
+        read = f.unit_bytes if f.compute_bytes is None else f.compute_bytes
+        per_unit = max(read / (m.weight_gbps * 1e9), 2 * f.unit_params * f.tokens / m.flops)
+        ops = OPS_PER_UNIT.get(f.kind, 8)
+        on_cpu = host_compute and f.kind == "expert" and m.compute == "gpu"
+        missing = f.uses * (f.p_host + f.p_disk)
+        from_disk = f.uses * f.p_disk
+        if on_cpu:  # A5: misses computed where they live (RAM); disk misses land in RAM first
+            gpu_uses = f.uses * f.p_device
+            cpu_unit = max(read / (m.cpu_gbps * 1e9), 2 * f.unit_params * f.tokens / m.cpu_flops)
+            cpu_unit += overhead_scale * ops * m.cpu_op_us * 1e-6
+            cpu += missing * cpu_unit
+            overlappable += max(missing * cpu_unit - (f.groups * cpu_unit if missing else 0.0), 0.0)
+        else:
+            gpu_uses = f.uses
+            if m.h2d_gbps is not None:
+                h2d[side] += missing * f.unit_bytes
+        disk[side] += from_disk * f.unit_bytes
+        reads[side] += from_disk
+        compute += gpu_uses * per_unit
+        overhead += overhead_scale * (gpu_uses * ops * m.op_us + f.uses * ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
+        if f.kind == "expert":
+            expert_compute += gpu_uses * per_unit
+            last = f.groups * per_unit if missing > 0 and not on_cpu else 0.0  # the last arrival per layer
+            overlappable += max(gpu_uses * per_unit - last, 0.0)
+
+    def link_s(side: str) -> tuple[float, float]:
+        pcie = h2d[side] / (m.h2d_gbps * 1e9) if m.h2d_gbps else 0.0
+        nvme = disk[side] / (m.nvme_gbps * 1e9) + reads[side] * m.nvme_latency_us * 1e-6 / READERS
+        return pcie, nvme
+
+    (pcie_d, nvme_d), (pcie_e, nvme_e) = link_s("dense"), link_s("expert")
+    link_dense, link_expert = max(pcie_d, nvme_d), max(pcie_e, nvme_e)  # A3
+    pcie, nvme = pcie_d + pcie_e, nvme_d + nvme_e
+    busy = compute + overhead
+    if cpu:  # A5: CPU experts run beside the GPU's resident experts; only the excess adds
+        busy += max(0.0, cpu - expert_compute)
+    ahead = recall * link_expert + (link_dense if prefetch_dense else 0.0)
+    demand_expert = (1 - recall) * link_expert
+    demand = demand_expert + (0.0 if prefetch_dense else link_dense)
+    hidden = min(demand_expert, overlappable)  # A4: resident first
+    seconds = max(busy + demand - hidden, max(pcie, nvme), ahead)
+    stall = seconds - busy
+    parts = {"compute": compute, "overhead": overhead, "CPU experts": cpu, "PCIe": pcie, "NVMe": nvme}
+    return StepCost(seconds=seconds, compute_s=compute, overhead_s=overhead, cpu_s=cpu, pcie_s=pcie, nvme_s=nvme,
+                    stall_s=max(stall, 0.0), bytes_h2d=h2d["dense"] + h2d["expert"],
+                    bytes_disk=disk["dense"] + disk["expert"], bottleneck=_bottleneck(parts, m))
+
+
+def _bottleneck(parts: dict[str, float], m: Machine) -> str:
+    name = max(parts, key=lambda k: parts[k])
+    if name == "compute":
+        return "compute (GPU memory bandwidth)" if m.compute == "gpu" else "RAM bandwidth (CPU compute)"
+    if name == "CPU experts":
+        return "RAM bandwidth (CPU experts)"
+    if name == "PCIe" and m.compute == "cpu":
+        return "RAM bandwidth (copies to the compute pool)"
+    if name == "overhead":
+        return "per-op overhead (kernel launches / Python)"
+    return name
+
+
+# ---- routing traces ----------------------------------------------------------------------------------------
+def _trace_tokens(trace) -> list[list[list[int]]]:
+    """Experts per token and MoE layer: [[[expert, ...] per MoE layer] per token]. Accepts that list, {"tokens":
+    that list}, or tools/trace_experts.py's record ({"moe_layers": [...], "steps": [[layer, [[expert, ...] per
+    token of the forward]], ...]}, one step per forward and MoE layer, layers in order)."""
+    if isinstance(trace, dict) and isinstance(trace.get("steps"), list):
+        steps = trace["steps"]
+        layers = trace.get("moe_layers") or sorted({step[0] for step in steps})
+        index = {layer: i for i, layer in enumerate(layers)}
+        tokens: list[list[list[int]]] = []
+        base = 0
+        for layer, per_token in steps:
+            if index[layer] == 0:  # the first MoE layer: a new forward begins
+                base = len(tokens)
+                tokens.extend([[] for _ in layers] for _ in per_token)
+            for j, experts in enumerate(per_token):
+                tokens[base + j][index[layer]] = [int(e) for e in experts]
+        trace = tokens
+    tokens = trace.get("tokens") if isinstance(trace, dict) else trace
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, list) for t in tokens):
+        raise ValueError("a routing trace is {\"tokens\": [[[expert, ...] per MoE layer] per token]} or "
+                         "tools/trace_experts.py's record")
+    return tokens
+
+
+def simulate_trace(trace, device_share: int, host_share: int) -> tuple[float, float]:
+    """(p_device, p_host including device) of a per-layer LRU with `device_share` / `host_share` slots per layer
+    (the layer-lru partition; the host cache is inclusive: every read passes through it)."""
+    from collections import OrderedDict
+
+    tokens = _trace_tokens(trace)
+    caches: dict[int, tuple[OrderedDict, OrderedDict]] = {}
+    uses = dev_hits = host_hits = 0
+    for token in tokens:
+        for layer, experts in enumerate(token):
+            dev, host = caches.setdefault(layer, (OrderedDict(), OrderedDict()))
+            for e in experts:
+                uses += 1
+                dev_hits += e in dev
+                host_hits += e in dev or e in host
+                for cache, cap in ((dev, device_share), (host, host_share)):
+                    if cap <= 0:
+                        continue
+                    cache[e] = True
+                    cache.move_to_end(e)
+                    while len(cache) > cap:
+                        cache.popitem(last=False)
+    return (dev_hits / uses, host_hits / uses) if uses else (0.0, 0.0)
+
+
+def trace_union(trace, max_tokens: int) -> list[float]:
+    """Mean distinct experts per layer over windows of 1..max_tokens consecutive tokens."""
+    tokens = _trace_tokens(trace)
+    out = []
+    for w in range(1, max_tokens + 1):
+        sizes = [len({e for tok in tokens[t:t + w] for e in tok[layer]})
+                 for t in range(0, len(tokens) - w + 1, w) for layer in range(len(tokens[t]))]
+        out.append(sum(sizes) / len(sizes) if sizes else 0.0)
+    return out

@@ -1,0 +1,304 @@
+"""The planner: exact placements on toy byte sizes, budgets refused with numbers, the planner's sizes and
+placement equal to what the store computes from a real checkpoint, the cost model's arithmetic, hardware
+profiles, and the plan / probe / calibrate commands."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_engine.config import ResolvedBudget
+from offload_engine.errors import BudgetError, ConfigError
+from offload_engine.planner import costs
+from offload_engine.planner.commands import calibrate, scale_markdown, scale_rows, what_ifs
+from offload_engine.planner.hardware import (HARDWARE_DIR, HardwareProfile, list_profiles, load_profile, probe,
+                                             save_profile)
+from offload_engine.planner.placement import KindSize, plan_placement
+from offload_engine.planner.plan import PlanOptions, WeightFormat, kind_sizes, load_model_spec, model_shape, plan
+from offload_engine.planner.report import memory_table, plan_json, plan_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = HardwareProfile(name="toy-cpu", description="", vram_bytes=0, ram_bytes=64 << 30, gpu_mem_gbps=0,
+                      gpu_tflops=0, pcie_gbps=0, ram_gbps=10, cpu_gemv_gbps=20, cpu_gflops=100, nvme_gbps=1,
+                      nvme_latency_us=50, cpu_op_us=5)
+GPU = CPU.with_changes(name="toy-gpu", vram_bytes=16 << 30, gpu_mem_gbps=800, gpu_tflops=100, pcie_gbps=25)
+
+
+# ---- exact placements on toy byte sizes (accelerate's style) ----------------------------------------------------
+TOY = {"embed": KindSize("embed", 1, 100), "head": KindSize("head", 1, 100), "dense": KindSize("dense", 4, 50),
+       "expert": KindSize("expert", 16, 10)}
+
+
+def test_toy_placement_exact():
+    p = plan_placement(TOY, compute_budget=400, host_budget=1000, kv_bytes=20, staging_bytes=8)
+    device, host = p.tiers
+    # minimum working set 100 + 100 + 2 x 50 + 2 x 10 + 20 KV = 340; 60 left: dense (100 more) does not fit,
+    # experts get 6 more slots
+    assert device.slots == {"embed": 1, "head": 1, "dense": 2, "expert": 8}
+    assert sorted(device.pinned) == ["embed", "head"]
+    assert device.used(TOY) == 400
+    assert host.slots == {"dense": 4, "expert": 16} and sorted(host.pinned) == ["dense", "expert"]
+    assert host.used(TOY) == 8 + 200 + 160
+    assert p.home("dense") == "host" and p.home("expert") == "host" and p.home("embed") == "device"
+
+
+def test_toy_staging_invariant_room_for_the_largest_unit_below():
+    """Every kind not pinned on the compute tier keeps slots there for its largest unit (two where the kind has
+    several units, so a read lands while another unit computes)."""
+    p = plan_placement(TOY, compute_budget=340, host_budget=50, kv_bytes=20)
+    device = p.tiers[0]
+    for kind, size in TOY.items():
+        if kind not in device.pinned:
+            assert device.slots[kind] * size.slot_bytes >= min(2, size.count) * size.slot_bytes
+    assert p.home("dense") == "disk" and p.tiers[1].slots == {"dense": 1}  # host: what fits, 50 B
+
+
+def test_toy_infeasible_budget_names_the_numbers():
+    with pytest.raises(BudgetError) as e:
+        plan_placement(TOY, compute_budget=339, host_budget=1000, kv_bytes=20)
+    msg = str(e.value)
+    assert "device budget too small" in msg and "(340 bytes)" in msg and "(339 bytes)" in msg
+    assert "kv cache=20 B" in msg and "expert x2=20 B" in msg
+    assert e.value.required == 340 and e.value.available == 339
+
+
+def test_toy_single_tier():
+    p = plan_placement(TOY, compute_budget=500, host_budget=None, kv_bytes=0, separate_host=False)
+    assert len(p.tiers) == 1 and p.tiers[0].name == "host"
+    assert p.tiers[0].slots == {"embed": 1, "head": 1, "dense": 4, "expert": 10}
+
+
+# ---- the planner agrees with the store on real checkpoints --------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_planned_sizes_and_placement_equal_the_store(checkpoint_factory, arch):
+    import torch
+
+    from offload_engine.checkpoint.model import open_model
+    from offload_engine.store.build import kind_sizes as store_kind_sizes
+    from offload_engine.store.build import plan_for
+
+    ck = open_model(checkpoint_factory(arch))
+    shape = model_shape(load_model_spec(str(ck.root)))
+    units = shape.bytes_of(WeightFormat.of(shape.spec, None), False)
+    assert kind_sizes(units) == store_kind_sizes(ck)
+    assert sum(units.values()) == ck.total_bytes
+    ram = int(ck.total_bytes * 0.6) + (1 << 20)  # + the O_DIRECT bounce buffers of a tiny model
+    p = plan(shape, CPU, PlanOptions(ram=ram, context=64, direct_io="on"))
+    ops = ck.arch.ops(ck.args, torch.device("cpu"), torch.float32)
+    engine, direct = plan_for(ck, ResolvedBudget(device=None, host=ram), torch.device("cpu"),
+                              64 * ops.kv_bytes_per_token(4), "on")
+    assert p.kv_bytes == 64 * ops.kv_bytes_per_token(4)
+    assert json.loads(p.placement.to_json()) == json.loads(engine.to_json()) and direct == p.direct_io
+
+
+def test_plan_refuses_infeasible_budget_with_numbers():
+    shape = model_shape(load_model_spec("Qwen3-30B-A3B"))
+    with pytest.raises(BudgetError) as e:
+        plan(shape, GPU, PlanOptions(vram=512 << 20, ram=64 << 30))
+    assert "device budget too small" in str(e.value) and e.value.available == 512 << 20
+
+
+def test_cuda_plan_needs_a_host_staging_slot_per_streamed_kind():
+    shape = model_shape(load_model_spec("Qwen3-30B-A3B"))
+    with pytest.raises(BudgetError) as e:
+        plan(shape, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # staging fits, one 9 MiB expert does not
+    assert "host" in str(e.value) and "disk -> host -> device" in str(e.value)
+
+
+# ---- cost model ------------------------------------------------------------------------------------------------
+GPU_M = costs.Machine.of(GPU, separate_host=True)
+
+
+def flow(kind="expert", uses=10.0, p_dev=1.0, p_host=0.0, nbytes=1e8, groups=1):
+    return costs.Flow(kind, uses, nbytes, nbytes / 2, 1, p_dev, p_host, groups)
+
+
+def test_all_resident_costs_compute_plus_overhead():
+    c = costs.step_cost([flow()], GPU_M)
+    assert c.compute_s == pytest.approx(10 * 1e8 / 800e9)
+    assert c.overhead_s == pytest.approx(10 * (costs.OPS_PER_UNIT["expert"] * GPU.gpu_op_us
+                                               + costs.ENGINE_UNIT_OPS * GPU.cpu_op_us) * 1e-6)
+    assert costs.step_cost([flow()], GPU_M, overhead_scale=0).seconds == pytest.approx(c.compute_s)
+    assert c.seconds == pytest.approx(c.compute_s + c.overhead_s) and c.pcie_s == 0 and c.nvme_s == 0
+
+
+def test_misses_cross_pcie_and_nvme_and_name_the_bottleneck():
+    host = costs.step_cost([flow(p_dev=0.0, p_host=1.0)], GPU_M)
+    assert host.bytes_h2d == pytest.approx(1e9) and host.pcie_s == pytest.approx(1e9 / 25e9)
+    assert host.bottleneck == "PCIe" and host.seconds >= host.pcie_s
+    disk = costs.step_cost([flow(p_dev=0.0, p_host=0.0)], GPU_M)
+    assert disk.bytes_disk == pytest.approx(1e9) and disk.bottleneck == "NVMe"
+    assert disk.seconds == pytest.approx(max(disk.compute_s + disk.overhead_s + disk.nvme_s
+                                             - (disk.compute_s - 1e8 / 800e9), disk.nvme_s))
+
+
+def test_prefetch_recall_hides_reads_behind_compute():
+    slow = GPU_M.__class__(**{**GPU_M.__dict__, "weight_gbps": 1.0})  # compute-heavy: 0.1 s per unit
+    cold = costs.step_cost([flow(p_dev=0.0, p_host=1.0, groups=10)], slow, recall=0.0)
+    warm = costs.step_cost([flow(p_dev=0.0, p_host=1.0, groups=10)], slow, recall=1.0)
+    assert warm.seconds < cold.seconds
+    assert warm.seconds == pytest.approx(warm.compute_s + warm.overhead_s)
+
+
+def test_host_compute_skips_pcie():
+    c = costs.step_cost([flow(p_dev=0.0, p_host=1.0)], GPU_M, host_compute=True)
+    assert c.pcie_s == 0 and c.cpu_s > 0 and c.bottleneck.startswith("RAM bandwidth")
+
+
+def test_hit_models():
+    assert costs.hit_fraction(0.25, 1.0) == pytest.approx(0.25)
+    assert costs.hit_fraction(0.25, 0.5) == pytest.approx(0.5)
+    assert costs.hit_fraction(0.0, 0.4) == 0 and costs.hit_fraction(1.0, 0.4) == 1
+    assert costs.scan_hit_fraction(3, 10) == pytest.approx(0.2) and costs.scan_hit_fraction(10, 10) == 1
+    assert costs.expert_union(128, 8, 1) == pytest.approx(8)
+    assert 8 < costs.expert_union(128, 8, 2) < 16
+    assert costs.accepted_per_step(1, 0.85) == pytest.approx(1.85)
+    assert costs.accepted_per_step(3, 0.5) == pytest.approx(1.875)
+
+
+def test_trace_simulation():
+    trace = {"tokens": [[[0, 1]], [[0, 1]], [[2, 3]], [[0, 1]]]}  # one MoE layer
+    dev, host = costs.simulate_trace(trace, device_share=2, host_share=4)
+    assert dev == pytest.approx(2 / 8) and host == pytest.approx(4 / 8)
+    assert costs.trace_union(trace, 2) == [2.0, 3.0]
+    with pytest.raises(ValueError):
+        costs.simulate_trace({"tokens": "x"}, 1, 1)
+    # tools/trace_experts.py's record: one step per forward and MoE layer, every token of the forward
+    record = {"moe_layers": [1], "steps": [[1, [[0, 1], [0, 1]]], [1, [[2, 3]]], [1, [[0, 1]]]]}
+    assert costs.simulate_trace(record, 2, 4) == (dev, host)
+
+
+# ---- plans of real models --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen():
+    return model_shape(load_model_spec("Qwen3-30B-A3B"))
+
+
+def test_plan_json_has_the_issue_fields(qwen):
+    p = plan(qwen, load_profile("rtx4070-12gb"), PlanOptions(vram=10 << 30, ram=24 << 30, context=8192))
+    j = plan_json(p, what_ifs(p))
+    for key in ("params_total", "params_active", "bytes_total", "placement", "memory", "predicted_tok_s",
+                "bottleneck", "what_ifs", "assumptions"):
+        assert key in j
+    t = j["predicted_tok_s"]
+    assert 0 < t["no_hits"] <= t["expected"] <= t["all_hits"]
+    mem = j["memory"]["device"]
+    assert mem["budget_charged"] <= 10 << 30 and mem["kv_cache"] == 8192 * 2 * 4 * 128 * 48 * 2
+    assert {"weights", "staging", "kv_cache", "activations", "reserve"} <= set(mem)
+    assert j["placement"]["summary"]["expert"]["home"] == "disk"  # 57 GB of bf16 weights, 24 GiB of RAM
+    text = plan_text(p, what_ifs(p))
+    assert "placement" in text and "memory per tier" in text and "what-ifs" in text
+
+
+def test_weights_scale_bytes(qwen):
+    bf16 = plan(qwen, GPU, PlanOptions(weights="bf16"))
+    int4 = plan(qwen, GPU, PlanOptions(weights="int4"))
+    fp8 = plan(qwen, GPU, PlanOptions(weights="fp8"))
+    assert int4.bytes_total / bf16.bytes_total == pytest.approx(4.5 / 16, rel=0.01)
+    assert fp8.bytes_total / bf16.bytes_total == pytest.approx(0.5, rel=0.01)
+    assert int4.expected > bf16.expected
+
+
+def test_native_formats_of_quantized_releases():
+    ds = WeightFormat.of(load_model_spec("DeepSeek-V3"), None)
+    assert ds.expert_bits == pytest.approx(8, abs=0.01) and ds.embed_bits == 16
+    oss = WeightFormat.of(load_model_spec("gpt-oss-120b"), None)
+    assert oss.expert_bits == 4.25 and oss.dense_bits == 16
+
+
+def test_speculation_reports_acceptance_and_union():
+    shape = model_shape(load_model_spec("DeepSeek-V3"))
+    p = plan(shape, load_profile("rtx4090-24gb"), PlanOptions(weights="int4", spec="mtp"))
+    assert p.use_mtp and p.spec_info["accepted_per_step"] == pytest.approx(1.85)
+    union = p.spec_info["expert_union_per_layer"]
+    assert union[0] == pytest.approx(8) and 8 < union[1] < 16
+    with pytest.raises(ConfigError, match="no multi-token-prediction"):
+        plan(model_shape(load_model_spec("Llama-3.1-70B")), GPU, PlanOptions(spec="mtp"))
+
+
+def test_what_ifs_find_a_doubling(qwen):
+    p = plan(qwen, load_profile("rtx4070-12gb"), PlanOptions(vram=10 << 30, ram=24 << 30))
+    ifs = what_ifs(p)
+    assert any(w.factor and w.factor >= 2 for w in ifs)
+    assert any(w.change.startswith("RAM") for w in ifs) and any("int4 experts" in w.change for w in ifs)
+
+
+def test_memory_table_adds_up(qwen):
+    p = plan(qwen, CPU, PlanOptions(ram=20 << 30, context=1024))
+    host = memory_table(p)["host"]
+    assert host["budget_charged"] == host["weights"] + host["staging"] + host["kv_cache"] <= 20 << 30
+    assert host["total"] == host["budget_charged"] + host["activations"] + host["reserve"]
+
+
+# ---- hardware profiles -------------------------------------------------------------------------------------------
+def test_shipped_profiles_load():
+    names = list_profiles()
+    assert {"rtx4070-12gb", "rtx4090-24gb", "v100-16gb-pcie3", "h200-host"} <= set(names)
+    for name in names:
+        prof = load_profile(name)
+        assert prof.sources and prof.nvme_gbps > 0
+    assert load_profile("RTX4090-24GB").vram_bytes == 24 << 30
+
+
+def test_profile_errors():
+    with pytest.raises(ConfigError, match="rtx4070-12gb"):
+        load_profile("no-such-card")
+    data = json.loads((HARDWARE_DIR / "rtx4090-24gb.json").read_text())
+    with pytest.raises(ConfigError, match="unknown field"):
+        HardwareProfile.from_dict({**data, "bogus": 1})
+    with pytest.raises(ConfigError, match="missing"):
+        HardwareProfile.from_dict({k: v for k, v in data.items() if k != "nvme_gbps"})
+
+
+def test_probe_writes_a_loadable_profile(tmp_path):
+    prof = probe(tmp_path, name="here", read_bytes=16 << 20, quick=True)
+    assert prof.nvme_gbps > 0 and prof.cpu_gemv_gbps > 0 and prof.ram_gbps > 0 and prof.ram_bytes > 0
+    path = save_profile(prof, tmp_path / "here.json")
+    assert load_profile(path) == prof.with_changes(vram_bytes=prof.vram_bytes)
+    assert not list(tmp_path.glob(".offload-engine-probe-*"))  # scratch file removed
+
+
+# ---- commands ------------------------------------------------------------------------------------------------
+def run_tool(*argv, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    code = tool.main(list(argv))
+    return code, capsys.readouterr()
+
+
+def test_tool_plan_json(capsys):
+    code, out = run_tool("--model", "Mixtral-8x7B", "--hardware", "rtx4090-24gb", "--weights", "int4", "--json",
+                         capsys=capsys)
+    assert code == 0
+    j = json.loads(out.out)
+    assert j["params_total"] == pytest.approx(46.7e9, rel=0.01) and set(j["predicted_tok_s"]) == {
+        "no_hits", "expected", "all_hits"}
+
+
+def test_tool_exit_codes(capsys):
+    code, out = run_tool("--model", "no-such-model", capsys=capsys)
+    assert code == 2 and "names:" in out.err
+    code, out = run_tool("--model", "Qwen3-30B-A3B", "--hardware", "rtx4070-12gb", "--vram", "100MiB",
+                         capsys=capsys)
+    assert code == 3 and "device budget too small" in out.err
+
+
+def test_calibrate_against_a_bench_json(checkpoint_factory):
+    model = checkpoint_factory("qwen3_moe", "offload")
+    bench = {"model": {"path": str(model)}, "settings": {"prompt_len": 8, "tokens": 8},
+             "resident": {"tok_s": 50.0, "hit_rate": 1.0},
+             "rows": [{"budget_pct": 100, "engine": {"decode_tok_s": 40.0, "hit_rate": 1.0}},
+                      {"budget_pct": 25, "engine": {"tok_s": 10.0, "hit_rate": 0.3}}]}
+    rows, table = calibrate(bench, None, CPU)
+    assert [r["budget_pct"] for r in rows] == [None, 100, 25]
+    assert rows[2]["predicted_tok_s"] < rows[1]["predicted_tok_s"]
+    assert 0 <= rows[2]["expert_hit_rate"] <= 1 and "resident" in table and "25%" in table
+
+
+def test_scale_table_row():
+    rows = scale_rows(["Mixtral-8x7B"], ["rtx4070-12gb"], ["int4"])
+    assert rows[0]["tok_s"]["expected"] > 0
+    assert "| Mixtral-8x7B | rtx4070-12gb | int4 |" in scale_markdown(rows)
