@@ -89,7 +89,8 @@ class Prefetcher:
     def _adapt(self) -> None:
         """FIELD-NOTES: on a link with no spare bandwidth, acting on predictions costs more than it saves."""
         s = self.store.stats
-        if self.config.adaptive and s.prefetch_issued >= 64 and s.prefetch_wasted > 2 * max(s.prefetch_used, 1):
+        # measured on a ~450 MB/s disk (docs/PERF.md): with 38% of guesses used, prefetch made decode 2.8x slower
+        if self.config.adaptive and s.prefetch_issued >= 32 and s.prefetch_used < 0.5 * s.prefetch_issued:
             self.expert_prefetch = False
 
     def summary(self) -> dict:

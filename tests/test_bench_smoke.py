@@ -1,0 +1,72 @@
+"""tools/bench.py --quick end to end in a subprocess: it runs, writes the JSON it promises, and the engine and the
+accelerate peer produce the same greedy tokens. No timing assertions: speed is measured, never asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ENGINE_KEYS = {"tokens", "tok_s", "s_per_token", "bytes_read_disk_per_token", "hit_rate", "stall_s_per_token",
+               "peak_bytes", "budget_bytes", "direct_io"}
+PEER_KEYS = {"tokens", "tok_s", "s_per_token", "page_cache", "bytes_on_disk", "os_read_bytes_per_token"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--no-progress",
+                           "--work-dir", str(work), "--json", str(out), "--plot"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tok/s" in proc.stdout and (work / "bench.png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def test_json_has_the_figures(result):
+    assert {"command", "machine", "versions", "engine_source", "model", "settings", "probe", "resident", "rows",
+            "targets"} <= set(result)
+    assert {"nproc", "cpu_model"} <= set(result["machine"])
+    assert {"torch", "transformers", "accelerate"} <= set(result["versions"])
+    assert result["probe"]["disk_bandwidth_for_bound"] > 0
+    assert all(d["method"] for d in result["probe"]["disk"])
+    assert [r["budget_pct"] for r in result["rows"]] == [100, 25]
+    for row in result["rows"]:
+        assert ENGINE_KEYS <= set(row["engine"])
+        assert set(row["peers"]) == {"bypass", "allow"}
+        for peer in row["peers"].values():
+            assert PEER_KEYS <= set(peer)
+        assert row["bound_s_per_token"] > 0 and row["engine_vs_bound"] > 0
+    below = result["rows"][1]["engine"]
+    assert below["direct_io"] and below["bytes_read_disk_per_token"] > 0  # 25%: really streamed, page cache bypassed
+    assert below["peak_bytes"]["host"] <= below["budget_bytes"]["host"]
+    assert set(result["targets"]) >= {"engine_vs_peer_bypass", "engine_vs_peer_page_cache", "engine_vs_physical_bound"}
+
+
+def test_engine_and_peer_tokens_match(result):
+    steps = result["settings"]["tokens"]
+    for row in result["rows"]:
+        engine = row["engine"]["tokens"]
+        assert len(engine) == steps + 1  # the prefill's token, then one per decode step
+        for mode, peer in row["peers"].items():
+            assert peer["tokens"] == engine, (row["budget_pct"], mode)
+        assert all(row["tokens_match"].values())
+
+
+def test_probe_reads_the_file_and_says_how(tmp_path, monkeypatch):
+    from offload_engine import probe
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\x01" * (3 * 4096 + 100))  # unaligned tail: O_DIRECT over-reads, the count must not
+    direct = probe.measure_direct_read_bandwidth(path, block=8192, threads=2)
+    assert direct.nbytes == path.stat().st_size and direct.bytes_per_s > 0
+    monkeypatch.setattr(probe, "_open_direct", lambda p: None)  # a filesystem that refuses O_DIRECT
+    buffered = probe.measure_direct_read_bandwidth(path, block=8192)
+    assert buffered.method == "buffered + POSIX_FADV_DONTNEED" and buffered.nbytes == direct.nbytes
+    assert probe.measure_cpu_matmul_flops(n=64, repeats=1).flops_per_s > 0
+    assert probe.measure_memcpy_bandwidth(nbytes=1 << 20, repeats=1).bytes_per_s > 0

@@ -1,0 +1,500 @@
+#!/usr/bin/env python3
+"""Benchmark the engine against transformers + accelerate disk offload at the same RAM budgets.
+
+For each budget (a % of the checkpoint's bytes) both systems decode the same greedy tokens after the same
+prompt; the table gives decode tok/s, bytes read per token, hit rate, stall time and the engine's time per
+token against a physical bound, max(resident compute time, bytes read and used / measured O_DIRECT bandwidth).
+
+    python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
+    python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import logging as std_logging
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the engine next to this script, also when run from a snapshot of the repo
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from offload_engine import Budget, Engine  # noqa: E402
+from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_cpu_matmul_flops,  # noqa: E402
+                                  measure_direct_read_bandwidth, measure_memcpy_bandwidth)
+from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+
+MB = 1e6
+TARGETS_AT = 25  # the issue's acceptance budget (%)
+
+
+# ---- results ------------------------------------------------------------------------------------------------
+@dataclass
+class EngineRun:
+    budget_pct: float | None  # None: no budget (every unit pinned): the resident compute reference
+    tokens: list[int]  # prefill's token, then one per decode step
+    decode_steps: int
+    decode_s: float
+    s_per_token: float
+    tok_s: float
+    bytes_read_disk_per_token: float  # store counter, decode steps only
+    needed_bytes_per_token: float  # read and then used: minus prefetches evicted unused (the bound's bytes)
+    os_read_bytes_per_token: float | None  # /proc/self/io read_bytes: what really came from storage
+    hit_rate: float  # compute-tier hits / acquisitions, decode steps only
+    stall_s_per_token: float  # time the compute thread waited for reads
+    cpu_util: float  # process CPU seconds / wall seconds during decode (2 cores -> at most 2.0)
+    others_cpu: float  # cores used by other processes during decode (a shared machine's noise)
+    peak_bytes: dict[str, int | None]
+    budget_bytes: dict[str, int | None]
+    direct_io: bool
+    open_s: float
+    prefetch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PeerRun:
+    budget_pct: float
+    page_cache: str  # "bypass": its files evicted before every token; "allow": left in the page cache
+    tokens: list[int]
+    decode_steps: int
+    decode_s: float
+    s_per_token: float
+    tok_s: float
+    os_read_bytes_per_token: float | None
+    cpu_util: float
+    others_cpu: float
+    bytes_on_disk: int  # parameters accelerate offloaded to disk: read again on every forward
+    bytes_in_ram: int
+    load_s: float
+
+
+@dataclass
+class Row:
+    budget_pct: float
+    engine: EngineRun
+    peers: dict[str, PeerRun]
+    bound_s_per_token: float
+    engine_vs_bound: float
+    tokens_match: dict[str, bool]
+
+    def ratio(self, mode: str) -> float | None:
+        peer = self.peers.get(mode)
+        return self.engine.tok_s / peer.tok_s if peer and peer.tok_s else None
+
+
+# ---- measuring helpers --------------------------------------------------------------------------------------
+def wait_for_quiet(max_wait: float, cores: float = 0.3) -> float:
+    """Wait (at most max_wait s) until other processes use fewer than `cores` over a 1 s sample; returns the
+    seconds waited. A shared machine's neighbours otherwise decide the figures."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_wait:
+        busy, cpu = cpu_busy_s(), time.process_time()
+        time.sleep(1.0)
+        if (cpu_busy_s() - busy) - (time.process_time() - cpu) < cores:
+            break
+    return time.perf_counter() - start
+
+
+def evict(paths: list[Path], sync: bool = False) -> None:
+    """Drop these files' pages from the page cache (their next read comes from the disk). DONTNEED skips dirty
+    pages, so files just written (accelerate's offload folder) need sync=True once."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if sync:
+                os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
+    """Deterministic ids away from the special tokens at the start of the vocabulary."""
+    return [(i * 7919 + 101 + salt * 31) % (vocab - 3) + 3 for i in range(n)]
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------
+def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
+               progress: bool, quiet: float = 0.0, prefetch: bool = True) -> EngineRun:
+    """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
+    warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill."""
+    budget = Budget() if pct is None else Budget(ram=f"{pct:g}%")
+    direct = "auto" if pct is None or pct >= 100 else "on"
+    start = time.perf_counter()
+    options = {} if prefetch else {"prefetch": False}  # only engines that have a prefetcher take the option
+    engine = Engine.open(model, budget=budget, max_context=len(prompt) + steps + 8, direct_io=direct, **options)
+    open_s = time.perf_counter() - start
+    try:
+        engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
+        wait_for_quiet(quiet)
+        return _measured_request(engine, pct, prompt, steps, open_s, progress)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def _measured_request(engine: Engine, pct: float | None, prompt: list[int], steps: int, open_s: float,
+                      progress: bool) -> EngineRun:
+    meter, before, finish = Meter(), None, None
+    bar = tqdm(total=steps, desc=f"engine {_label(pct)}", unit="tok", leave=False, disable=not progress)
+    for event in engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True):
+        if isinstance(event, FinishEvent):
+            meter.stop()
+            finish = event
+        elif before is None:  # the prefill's token: decode starts here
+            before = engine.store.stats.snapshot()
+            meter.start()
+        else:
+            bar.update()
+    bar.close()
+    after, stats = engine.store.stats.snapshot(), finish.stats
+    n = len(finish.token_ids) - 1
+    hits = after["hits"][engine.store.compute.name] - before["hits"][engine.store.compute.name]
+    misses = after["misses"][engine.store.compute.name] - before["misses"][engine.store.compute.name]
+    decode_s = stats["decode_s"]
+    read = after["bytes_read_disk"] - before["bytes_read_disk"]
+    wasted = after.get("prefetch_wasted", 0) - before.get("prefetch_wasted", 0)
+    unit = engine.store.placement.sizes["expert"].slot_bytes if "expert" in engine.store.placement.sizes else 0
+    return EngineRun(
+        budget_pct=pct, tokens=list(finish.token_ids), decode_steps=n, decode_s=decode_s,
+        s_per_token=decode_s / n, tok_s=n / decode_s,
+        bytes_read_disk_per_token=read / n, needed_bytes_per_token=max(0, read - wasted * unit) / n,
+        os_read_bytes_per_token=meter.per(n), hit_rate=hits / max(hits + misses, 1),
+        stall_s_per_token=(after["io_wait_s"] - before["io_wait_s"]) / n, cpu_util=meter.cpu_util,
+        others_cpu=meter.others_cpu,
+        peak_bytes=stats["peak_bytes"], budget_bytes=stats["budget_bytes"], direct_io=engine.store.direct_io,
+        open_s=open_s, prefetch=stats.get("prefetch") or {})
+
+
+# ---- the peer: transformers + accelerate disk offload -------------------------------------------------------
+def load_peer(model: Path, budget_bytes: int, offload: Path):
+    """accelerate's own path for "what does not fit in RAM goes to disk": device_map="auto" with a CPU budget
+    (on a machine without GPU the remaining modules are placed on "disk" and loaded by hooks at each forward)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    std_logging.getLogger("accelerate.big_modeling").setLevel(std_logging.ERROR)  # "offloaded": expected here
+    return AutoModelForCausalLM.from_pretrained(model, device_map="auto", max_memory={"cpu": budget_bytes},
+                                                offload_folder=str(offload), dtype=torch.float32).eval()
+
+
+def placed_bytes(peer) -> dict[str, int]:
+    """Parameter bytes per device of accelerate's device map (offloaded parameters are meta: shapes suffice)."""
+    dmap = getattr(peer, "hf_device_map", {"": "cpu"})
+    out: dict[str, int] = {}
+    for name, p in peer.named_parameters():
+        prefix = max((k for k in dmap if k == "" or name == k or name.startswith(k + ".")), key=len, default="")
+        dev = str(dmap.get(prefix, "cpu"))
+        out[dev] = out.get(dev, 0) + p.numel() * p.element_size()
+    return out
+
+
+@torch.inference_mode()
+def decode_peer(peer, prompt: list[int], steps: int, evict_files: list[Path] | None, progress: bool,
+                desc: str, quiet: float = 0.0) -> tuple[list[int], Meter]:
+    """Greedy decode with the KV cache, one forward per token (the engine's work); only the steps are timed.
+    evict_files: evicted from the page cache before every step (outside the timed interval)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=peer.config)
+    kw = "cache" if "cache" in _forward_params(peer) else "past_key_values"
+    logits = peer(torch.tensor([prompt]), use_cache=True, **{kw: cache}).logits
+    tokens, meter = [int(logits[0, -1].argmax())], Meter()
+    wait_for_quiet(quiet)
+    for _ in tqdm(range(steps), desc=desc, unit="tok", leave=False, disable=not progress):
+        if evict_files:
+            evict(evict_files)
+        meter.start()
+        logits = peer(torch.tensor([[tokens[-1]]]), use_cache=True, **{kw: cache}).logits
+        tokens.append(int(logits[0, -1].argmax()))
+        meter.stop()
+    return tokens, meter
+
+
+def _forward_params(peer) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(peer.forward).parameters)
+
+
+def run_peer(model: Path, pct: float, budget_bytes: int, modes: list[str], prompt: list[int], steps: int,
+             work: Path, progress: bool, quiet: float = 0.0) -> dict[str, PeerRun]:
+    offload = Path(tempfile.mkdtemp(prefix="peer-offload-", dir=work))
+    peer = None
+    try:
+        start = time.perf_counter()
+        peer = load_peer(model, budget_bytes, offload)
+        load_s = time.perf_counter() - start
+        placed = placed_bytes(peer)
+        files = sorted(offload.rglob("*.safetensors")) + sorted(model.glob("*.safetensors"))
+        evict(files, sync=True)  # written during the load: flush them so that eviction really evicts
+        runs = {}
+        for mode in modes:
+            tokens, m = decode_peer(peer, prompt, steps, files if mode == "bypass" else None, progress,
+                                    f"peer {pct:g}% {mode}", quiet)
+            runs[mode] = PeerRun(pct, mode, tokens, steps, m.wall, m.wall / steps, steps / m.wall, m.per(steps),
+                                 m.cpu_util, m.others_cpu, placed.get("disk", 0), placed.get("cpu", 0), load_s)
+        return runs
+    finally:
+        del peer
+        gc.collect()
+        shutil.rmtree(offload, ignore_errors=True)
+
+
+# ---- machine and probe ------------------------------------------------------------------------------------
+def versions() -> dict[str, str]:
+    import accelerate
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__}
+
+
+def source_state() -> dict[str, Any]:
+    """Which engine was measured: the commit and the files that differ from it, and a hash of the package's
+    sources (the only identity of a snapshot copied out of the repository)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "offload_engine").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != ROOT:  # a copied snapshot
+        return {"root": str(ROOT), "commit": None, "package_sha256": digest.hexdigest(), "modified": None}
+    return {"root": str(ROOT), "commit": git("rev-parse", "HEAD"), "package_sha256": digest.hexdigest(),
+            "modified": [line[3:] for line in git("status", "--porcelain").splitlines()]}
+
+
+def probe_disk(model: Path, unit_bytes: int, nbytes: int, repeats: int) -> list[dict]:
+    """O_DIRECT read bandwidth on the largest shard: large sequential reads by one thread, and reads of the
+    engine's unit size by as many threads as its reader pool (4)."""
+    shard = max(model.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    unit_block = max(4096, -(-unit_bytes // 4096) * 4096)
+    return [measure_direct_read_bandwidth(shard, nbytes, block, threads, repeats).to_dict()
+            for block, threads in ((8 * MiB, 1), (unit_block, 4))]
+
+
+def expert_unit_bytes(model: Path) -> int:
+    from offload_engine.checkpoint.model import open_model
+
+    ckpt = open_model(model)
+    sizes = [layout.nbytes for key, layout in ckpt.layouts.items() if key.kind == "expert"]
+    return max(sizes) if sizes else 8 * MiB
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+def ensure_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from tools.make_checkpoint import make_checkpoint
+
+    name = "quick-model" if args.quick else f"bench-model{'-bf16' if args.dtype == 'bfloat16' else ''}"
+    out = Path(args.work_dir) / name
+    if not (out / "config.json").is_file():
+        make_checkpoint("qwen3_moe", "offload" if args.quick else "bench", out, dtype=args.dtype, force=True)
+    return out
+
+
+def model_info(model: Path) -> dict[str, Any]:
+    config = json.loads((model / "config.json").read_text())
+    shards = sorted(model.glob("*.safetensors"))
+    return {"path": str(model), "bytes": sum(p.stat().st_size for p in shards), "model_type": config.get("model_type"),
+            "dtype": config.get("dtype") or config.get("torch_dtype"), "layers": config.get("num_hidden_layers"),
+            "experts": config.get("num_experts"), "top_k": config.get("num_experts_per_tok"),
+            "vocab": config.get("vocab_size")}
+
+
+def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], compute_s: float,
+             disk_bw: float) -> Row:
+    bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
+    match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
+    return Row(pct, engine, peers, bound, engine.s_per_token / bound, match)
+
+
+def targets(rows: list[Row]) -> dict[str, Any]:
+    """The issue's acceptance figures at 25% of the model's bytes."""
+    row = next((r for r in rows if r.budget_pct == TARGETS_AT), None)
+    if row is None:
+        return {}
+    out = {"budget_pct": TARGETS_AT}
+    for name, value, goal, better in (("engine_vs_peer_bypass", row.ratio("bypass"), 20.0, "higher"),
+                                      ("engine_vs_peer_page_cache", row.ratio("allow"), 1.5, "higher"),
+                                      ("engine_vs_physical_bound", row.engine_vs_bound, 1.25, "lower")):
+        if value is not None:
+            met = value >= goal if better == "higher" else value <= goal
+            out[name] = {"value": value, "target": goal, "met": met}
+    return out
+
+
+def _label(pct: float | None) -> str:
+    return "resident" if pct is None else f"{pct:g}%"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
+    """One line per budget. 'pc': accelerate with the page cache allowed; 'others': the most cores other processes
+    used during any of the row's measured decodes (a shared machine's noise)."""
+    lines = [f"{'budget':>7} {'engine':>7} {'peer':>7} {'ratio':>6} {'peer pc':>7} {'ratio':>6} {'MB/tok':>7} "
+             f"{'hits':>5} {'stall':>7} {'/bound':>6} {'others':>6}  tokens",
+             f"{'% model':>7} {'tok/s':>7} {'bypass':>7} {'':>6} {'tok/s':>7} {'':>6} {'engine':>7} "
+             f"{'%':>5} {'ms/tok':>7} {'':>6} {'cores':>6}"]
+    for r in rows:
+        by, pc = r.peers.get("bypass"), r.peers.get("allow")
+        ok = all(r.tokens_match.values()) if r.tokens_match else None
+        others = max([r.engine.others_cpu] + [p.others_cpu for p in r.peers.values()])
+        lines.append(
+            f"{r.budget_pct:>7g} {r.engine.tok_s:>7.2f} {_fmt(by and by.tok_s, '7.2f'):>7} "
+            f"{_fmt(r.ratio('bypass'), '6.1f'):>6} {_fmt(pc and pc.tok_s, '7.2f'):>7} "
+            f"{_fmt(r.ratio('allow'), '6.2f'):>6} "
+            f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
+            f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.engine_vs_bound:>6.2f} {others:>6.2f}  "
+            f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
+    lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s); "
+                 f"O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r.budget_pct for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(x, [r.engine.tok_s for r in rows], "o-", label="engine (O_DIRECT below 100%)")
+    for mode, label in (("bypass", "accelerate, page cache evicted"), ("allow", "accelerate, page cache allowed")):
+        ys = [r.peers[mode].tok_s if mode in r.peers else None for r in rows]
+        if any(y is not None for y in ys):
+            a.plot(x, ys, "s--", label=label)
+    a.set(xlabel="RAM budget (% of model bytes)", ylabel="decode tok/s", yscale="log", title="decode speed")
+    a.invert_xaxis()
+    a.legend(fontsize=8)
+    series = [("engine: disk -> RAM", [r.engine.bytes_read_disk_per_token / MB for r in rows])]
+    if all("bypass" in r.peers or "allow" in r.peers for r in rows):
+        series.append(("accelerate: disk tier -> RAM (page cache or storage)",
+                       [next(iter(r.peers.values())).bytes_on_disk / MB for r in rows]))
+    for mode in ("bypass", "allow"):
+        if all(mode in r.peers for r in rows):
+            series.append((f"accelerate ({mode}): from storage (/proc/self/io)",
+                           [(r.peers[mode].os_read_bytes_per_token or 0) / MB for r in rows]))
+    width = 0.8 / len(series)
+    for i, (label, ys) in enumerate(series):
+        b.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))], ys, width, label=label)
+    b.set_xticks(range(len(rows)), [f"{r.budget_pct:g}%" for r in rows])
+    b.set(xlabel="RAM budget (% of model bytes)", ylabel="MB per decode token", title="bytes read per token")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="Hugging Face folder (default: build the bench checkpoint in --work-dir)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the built checkpoint")
+    ap.add_argument("--budgets", default="100,50,25,10", help="RAM budgets, %% of the model's bytes")
+    ap.add_argument("--tokens", type=int, default=16, help="decode steps (after the prefill's token)")
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run transformers + accelerate disk offload")
+    ap.add_argument("--peer-page-cache", default="both", choices=("bypass", "allow", "both"))
+    ap.add_argument("--work-dir", default="bench-out", help="built checkpoints and the peer's offload folders")
+    ap.add_argument("--json", help="results file (default: WORK_DIR/bench.json)")
+    ap.add_argument("--plot", nargs="?", const="", default=None, help="PNG (default: next to the JSON)")
+    ap.add_argument("--probe-mib", type=int, default=512, help="MiB read per O_DIRECT bandwidth sample")
+    ap.add_argument("--engine-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's speculative expert prefetch (default: on, as Engine.open)")
+    ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                    help="torch intra-op threads for both systems (default: torch's own choice)")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each measured decode wait up to S seconds for other processes to go idle")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny checkpoint, budgets 100,25, 4 tokens")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.budgets, args.tokens, args.prompt_len, args.probe_mib = "100,25", 4, 4, 8
+    args.json = args.json or str(Path(args.work_dir) / "bench.json")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    started, machine = time.time(), machine_info()
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    modes = ["bypass", "allow"] if args.peer_page_cache == "both" else [args.peer_page_cache]
+    model = ensure_model(args)
+    info = model_info(model)
+    prompt, warm = prompt_ids(args.prompt_len, info["vocab"]), prompt_ids(args.prompt_len, info["vocab"], 1)
+
+    repeats = 1 if args.quick else 3
+    unit = expert_unit_bytes(model)
+    disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
+    resident = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                          args.engine_prefetch)
+    rows_raw = []
+    for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
+        engine = run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                            args.engine_prefetch)
+        peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
+                         Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
+        rows_raw.append((pct, engine, peers))
+    disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
+    disk_bw = max(statistics.median(d["bytes_per_s"] for d in disk if d["threads"] == t) for t in (1, 4))
+    rows = [make_row(pct, e, p, resident.s_per_token, disk_bw) for pct, e, p in rows_raw]
+
+    print(table(rows, resident, disk_bw))
+    result = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "duration_s": time.time() - started,
+        "machine": {**machine, "loadavg_end": os.getloadavg()}, "versions": versions(),
+        "engine_source": source_state(), "model": info,
+        "settings": {"budgets": budgets, "tokens": args.tokens, "prompt_len": args.prompt_len, "peer": args.peer,
+                     "peer_page_cache": modes, "prompt": prompt,
+                     "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
+                     "engine_prefetch": args.engine_prefetch},
+        "probe": {"disk": disk, "disk_bandwidth_for_bound": disk_bw, "expert_unit_bytes": unit,
+                  "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
+        "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot is not None:
+        png = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
+        plot(rows, png)
+        print(f"plot: {png}")
+    for name, t in result["targets"].items():
+        if isinstance(t, dict):
+            print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
+    print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
