@@ -3,7 +3,9 @@
 MLA caches one compressed latent per token (`c_kv` [T, kv_lora_rank], after kv_a_layernorm) plus one shared roped
 key (`k_pe` [T, qk_rope_head_dim]) instead of per-head K/V. Attention either expands the cache through kv_b_proj
 (the reference order of operations, cheaper for long prefills) or absorbs kv_b_proj into the query and the output
-(cheaper when few queries face a long cache: decode). Multi-token-prediction layers are not part of the schema.
+(cheaper when few queries face a long cache: decode). Multi-token-prediction layers are described by `mtp_schema`
+(added to an opened checkpoint when their tensors are present: runtime/mtp.py) and computed by runtime/mtp.py
+with the `mtp_*` ops.
 """
 from __future__ import annotations
 
@@ -104,45 +106,66 @@ def _args(spec: ModelSpec) -> DeepseekV3Args:
         softmax_scale=_softmax_scale(spec, nope + rope))
 
 
+def _add_block(schema: ModelSchema, a: DeepseekV3Args, key: UnitKey, layer: int, moe: bool,
+               fused_experts: bool) -> None:
+    """One decoder block's tensors into unit `key` (routed experts into their own units of `layer`)."""
+    s, H, heads, p = a.spec, a.spec.hidden_size, a.spec.num_heads, f"model.layers.{layer}."
+
+    def add(local: str, shape: tuple[int, ...], dtype: str | None = None) -> None:
+        schema.add(key, local, TensorSpec(p + local, shape, dtype=dtype))
+
+    add("input_layernorm.weight", (H,))
+    add("post_attention_layernorm.weight", (H,))
+    if a.q_lora_rank is None:
+        add(ATTN + "q_proj.weight", (heads * a.qk_head_dim, H))
+    else:
+        add(ATTN + "q_a_proj.weight", (a.q_lora_rank, H))
+        add(ATTN + "q_a_layernorm.weight", (a.q_lora_rank,))
+        add(ATTN + "q_b_proj.weight", (heads * a.qk_head_dim, a.q_lora_rank))
+    add(ATTN + "kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, H))
+    add(ATTN + "kv_a_layernorm.weight", (a.kv_lora_rank,))
+    add(ATTN + "kv_b_proj.weight", (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
+    add(ATTN + "o_proj.weight", (H, heads * a.v_head_dim))
+    if a.attention_bias:  # bias=attention_bias on these three only, as in the reference
+        if a.q_lora_rank is not None:
+            add(ATTN + "q_a_proj.bias", (a.q_lora_rank,))
+        add(ATTN + "kv_a_proj_with_mqa.bias", (a.kv_lora_rank + a.qk_rope_head_dim,))
+        add(ATTN + "o_proj.bias", (H,))
+    if not moe:
+        add_gated_mlp(schema, key, f"{p}mlp.", "mlp.", s.intermediate_size, H)
+        return
+    # Router: F32 beside BF16 is common (released bias; transformers 5 keeps both in fp32 when saving)
+    add("mlp.gate.weight", (s.num_experts, H), dtype="any")
+    add("mlp.gate.e_score_correction_bias", (s.num_experts,), dtype="any")
+    if a.n_shared_experts:
+        add_gated_mlp(schema, key, f"{p}mlp.shared_experts.", "shared.", a.moe_intermediate_size * a.n_shared_experts,
+                      H)
+    add_experts(schema, layer, p, "mlp", s.num_experts, a.moe_intermediate_size, H, a.expert_names, fused_experts)
+
+
 class DeepseekV3Decoder(StandardDecoder):
     def schema(self, a: DeepseekV3Args, fused_experts: bool = False) -> ModelSchema:
+        """The main model: embeddings, num_hidden_layers decoder layers, head (MTP layers: `mtp_schema`)."""
         s, schema = a.spec, ModelSchema()
-        H, heads = s.hidden_size, s.num_heads
         add_embed_and_head(schema, s)
         for l in range(s.num_layers):
-            key, p = UnitKey(l, "dense"), f"model.layers.{l}."
+            _add_block(schema, a, UnitKey(l, "dense"), l, l in a.moe_layers, fused_experts)
+        return schema
 
-            def add(local: str, shape: tuple[int, ...], dtype: str | None = None) -> None:
-                schema.add(key, local, TensorSpec(p + local, shape, dtype=dtype))
-
-            add("input_layernorm.weight", (H,))
-            add("post_attention_layernorm.weight", (H,))
-            if a.q_lora_rank is None:
-                add(ATTN + "q_proj.weight", (heads * a.qk_head_dim, H))
-            else:
-                add(ATTN + "q_a_proj.weight", (a.q_lora_rank, H))
-                add(ATTN + "q_a_layernorm.weight", (a.q_lora_rank,))
-                add(ATTN + "q_b_proj.weight", (heads * a.qk_head_dim, a.q_lora_rank))
-            add(ATTN + "kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, H))
-            add(ATTN + "kv_a_layernorm.weight", (a.kv_lora_rank,))
-            add(ATTN + "kv_b_proj.weight", (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))
-            add(ATTN + "o_proj.weight", (H, heads * a.v_head_dim))
-            if a.attention_bias:  # bias=attention_bias on these three only, as in the reference
-                if a.q_lora_rank is not None:
-                    add(ATTN + "q_a_proj.bias", (a.q_lora_rank,))
-                add(ATTN + "kv_a_proj_with_mqa.bias", (a.kv_lora_rank + a.qk_rope_head_dim,))
-                add(ATTN + "o_proj.bias", (H,))
-            if l not in a.moe_layers:
-                add_gated_mlp(schema, key, f"{p}mlp.", "mlp.", s.intermediate_size, H)
-                continue
-            # Router: F32 beside BF16 is common (released bias; transformers 5 keeps both in fp32 when saving)
-            add("mlp.gate.weight", (s.num_experts, H), dtype="any")
-            add("mlp.gate.e_score_correction_bias", (s.num_experts,), dtype="any")
-            if a.n_shared_experts:
-                add_gated_mlp(schema, key, f"{p}mlp.shared_experts.", "shared.",
-                              a.moe_intermediate_size * a.n_shared_experts, H)
-            add_experts(schema, l, p, "mlp", s.num_experts, a.moe_intermediate_size, H, a.expert_names,
-                        fused_experts)
+    def mtp_schema(self, a: DeepseekV3Args, fused_experts: bool = False) -> ModelSchema:
+        """The multi-token-prediction layers as released (DeepSeek-V3 / Kimi K2 / GLM-4.5 naming): layer
+        N + i (N = num_hidden_layers) holds enorm, hnorm, eh_proj, shared_head.norm and a full decoder block
+        (always MoE). One `mtp` unit per layer holds all but the routed experts, which are `expert` units of
+        layer N + i. shared_head.head and embed_tokens copies in that layer are not used: the MTP layers share
+        the main model's embedding and head (as transformers' MtpModel does)."""
+        s, schema, H = a.spec, ModelSchema(), a.spec.hidden_size
+        for i in range(a.num_nextn_predict_layers):
+            layer = s.num_layers + i
+            key, p = UnitKey(layer, "mtp"), f"model.layers.{layer}."
+            for local, shape in (("enorm.weight", (H,)), ("hnorm.weight", (H,)), ("eh_proj.weight", (H, 2 * H)),
+                                 ("shared_head.norm.weight", (H,))):
+                schema.add(key, local, TensorSpec(p + local, shape))
+            _add_block(schema, a, key, layer, bool(s.num_experts), fused_experts)
         return schema
 
     def ops(self, a: DeepseekV3Args, device: torch.device, dtype: torch.dtype) -> "DeepseekV3Ops":
@@ -238,10 +261,34 @@ class DeepseekV3Ops(StandardOps):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return indices, weights * a.routed_scaling_factor
 
+    def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        """Selection scores (sigmoid + correction bias) for lookahead prefetching; group limits ignored."""
+        scores = F.linear(x.float(), w["mlp.gate.weight"].float()).sigmoid()
+        return scores + w["mlp.gate.e_score_correction_bias"].float()
+
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.n_shared_experts:
             return None
         return gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
+
+    # multi-token prediction (w: one `mtp` unit)
+    def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """h' = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]): the embedding first (DeepSeek-V3 report, eq. 21)."""
+        eps = self.s.rms_norm_eps
+        joined = torch.cat([rms_norm(embedded, w["enorm.weight"], eps), rms_norm(hidden, w["hnorm.weight"], eps)], -1)
+        return F.linear(joined, w["eh_proj.weight"])
+
+    def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The block's output after shared_head.norm: what the shared head scores and the next depth consumes."""
+        return rms_norm(x, w["shared_head.norm.weight"], self.s.rms_norm_eps)
+
+    def final_norm(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The main model's final norm (the head unit's `norm`): MTP consumes the normalized trunk output."""
+        return rms_norm(x, head["norm"], self.s.rms_norm_eps)
+
+    def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The shared head without the final norm (MTP outputs are already normalized)."""
+        return F.linear(x, head["weight"]).float()
 
 
 ARCH = DeepseekV3Decoder("deepseek_v3", _args)
