@@ -143,6 +143,10 @@ class TieredStore:
         if host_slot is None:
             raise BudgetError("host", self.checkpoint.layouts[key].nbytes, 0,
                               hint="CUDA reads need a host slot for the unit kind as staging")
+        self._stage(key, host_slot, slot)
+
+    def _stage(self, key: UnitKey, host_slot: Slot, slot: Slot) -> None:
+        """Disk -> a reserved host slot (which keeps the unit cached) -> the compute-tier slot."""
         try:
             self._read_disk(key, host_slot)
             self._copy(host_slot, slot, key)
@@ -195,12 +199,7 @@ class TieredStore:
             # cache on the host tier on the way up, when it has slots for this kind
             host_slot = self._reserve(self.host, key)
             if host_slot is not None:
-                try:
-                    self._read_disk(key, host_slot)
-                    self._copy(host_slot, slot, key)
-                finally:
-                    with self._lock:
-                        host_slot.loading, host_slot.refs = None, host_slot.refs - 1
+                self._stage(key, host_slot, slot)
                 return
         self._read_disk(key, slot)
 
