@@ -1,0 +1,45 @@
+"""Which drafters a --spec mode builds for a given target (and optional draft model and store)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ConfigError
+from ...runtime.mtp import mtp_layer_count, mtp_supported
+from .ngram import NgramDrafter
+
+
+def build_drafters(spec: str, model: Any, cache: Any, *, draft: Any = None, store: Any = None,
+                   tokenizer: Any = None, draft_tokenizer: Any = None, max_depth: int = 8,
+                   with_self: bool = True, self_experts_per_token: int | None = None) -> list:
+    """spec "auto": every drafter the target supports (self only `with_self`); otherwise the named one, or
+    ConfigError saying why not."""
+    capacity = getattr(cache, "capacity", None) or (model.max_context or 4096)
+    has_mtp = hasattr(model, "checkpoint") and mtp_supported(model)
+    has_experts = bool(getattr(getattr(model, "spec", None), "num_experts", 0)) and hasattr(model, "checkpoint")
+    out = []
+    if spec in ("auto", "ngram"):
+        out.append(NgramDrafter())
+    if spec == "mtp" or (spec == "auto" and has_mtp):
+        if not has_mtp:
+            why = ("its architecture's MTP forward is not implemented" if hasattr(model, "checkpoint")
+                   and mtp_layer_count(model.checkpoint) else "the checkpoint has no multi-token-prediction layers "
+                   "(config.json num_nextn_predict_layers is 0, or its MTP tensors are absent)")
+            raise ConfigError(f"--spec mtp: {why}")
+        from .mtp import MtpDrafter
+        out.append(MtpDrafter(model, capacity + max_depth + 1))
+    if spec == "draft" or (spec == "auto" and draft is not None):
+        if draft is None:
+            raise ConfigError("--spec draft needs a draft model: pass --draft-model DIR (API: draft_model=...)")
+        from .draft_model import DraftModelDrafter, check_same_vocabulary
+        draft_model = getattr(draft, "model", draft)
+        draft_tok = draft_tokenizer if draft_tokenizer is not None else getattr(draft, "tokenizer", None)
+        check_same_vocabulary(tokenizer, draft_tok, model.vocab_size, draft_model.vocab_size)
+        out.append(DraftModelDrafter(draft_model, capacity + max_depth + 1, model.vocab_size))
+    if spec == "self" or (spec == "auto" and with_self and has_experts and store is not None):
+        if not has_experts:
+            raise ConfigError("--spec self drafts with the target's resident routed experts: it needs a mixture-of-"
+                              "experts model (this one has no routed experts)")
+        from .self_draft import SelfDrafter
+        resident = (lambda: store.resident_keys("device")) if store is not None else None
+        out.append(SelfDrafter(model, cache, resident, self_experts_per_token))
+    return out

@@ -1,0 +1,259 @@
+"""Speculative decoding end to end: lossless greedy output for every drafter, depth and width, at 100% and 25%
+budgets; draft == target accepts everything; seeded sampling is reproducible; the cache is rewound exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from offload_engine import Budget, Engine
+from offload_engine.errors import ConfigError
+from offload_engine.runtime.model import CausalLM
+from offload_engine.runtime.mtp import attach_mtp_units
+from offload_engine.spec.cost import CostModel
+from offload_engine.spec.decoder import FinishEvent, GenerationState, PlainStepper, drive
+from offload_engine.spec.drafters.draft_model import check_same_vocabulary
+from offload_engine.spec.drafters.self_draft import restrict
+from offload_engine.spec.sampling import Sampler, SamplingParams
+from offload_engine.spec.speculative import SpeculativeStepper, make_stepper
+from offload_engine.store.build import build_store, plan_for
+from offload_engine.tokenizer import Tokenizer
+
+NEW = 64
+PROMPTS = (
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The file is opened, read line by line, and each line is split on commas.",
+    "import os\nimport sys\n",
+)
+DRAFTERS = ("ngram", "self", "draft", "mtp")
+
+
+def open_engine(path, budget: Budget | None, max_context: int) -> Engine:
+    """Engine.open, with the checkpoint's MTP units in the store (what open_model does once it attaches them)."""
+    engine = Engine.open(path, budget=budget, max_context=max_context)
+    checkpoint = attach_mtp_units(engine.checkpoint)
+    if checkpoint is engine.checkpoint:
+        return engine
+    engine.close()
+    dev, dtype = torch.device("cpu"), torch.float32
+    kv_bytes = max_context * checkpoint.arch.ops(checkpoint.args, dev, dtype).kv_bytes_per_token(4)
+    placement, direct = plan_for(checkpoint, (budget or Budget()).resolve(checkpoint.total_bytes), dev, kv_bytes,
+                                 "auto")
+    store = build_store(checkpoint, placement, dev, dtype, direct, "layer-lru", False)
+    model = CausalLM(checkpoint, store, dev, dtype, max_context=max_context)
+    return Engine(checkpoint, model, Tokenizer(checkpoint.root), store, dev, dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add contention (and other suites may share the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_factory):
+    """Engines by (model, budget): MoE targets at 25% (expert-heavy `offload` preset) and 100% (`tiny`)."""
+    opened: dict[tuple[str, str], Engine] = {}
+
+    def get(model: str, budget: str) -> Engine:
+        key = (model, budget)
+        if key not in opened:
+            arch, options = {"qwen": ("qwen3_moe", {}), "deepseek": ("deepseek_v3", {"mtp": 1}),
+                             "llama": ("llama", {})}[model]
+            preset = "offload" if budget == "25%" else "tiny"
+            path = checkpoint_factory(arch, preset, **options)
+            opened[key] = open_engine(path, Budget(ram=budget) if model != "llama" else None, max_context=256)
+        return opened[key]
+
+    yield get
+    for e in opened.values():
+        e.close()
+
+
+def generate(engine: Engine, prompt: str, params: SamplingParams, spec: str = "off", depth=None, width=None,
+             draft=None):
+    ids = engine.encode(prompt)
+    cache = engine.model.new_cache(len(ids) + params.max_new_tokens)
+    stepper = make_stepper(engine.model, cache, Sampler(params), spec, depth=depth, width=width, draft=draft,
+                           store=engine.store, tokenizer=engine.tokenizer,
+                           draft_tokenizer=getattr(draft, "tokenizer", None))
+    events = list(drive(stepper, ids, GenerationState(params, engine.tokenizer)))
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent)
+    return finish, stepper, cache
+
+
+_reference: dict = {}
+
+
+def plain(engine: Engine, prompt: str, params: SamplingParams):
+    key = (str(engine.checkpoint.root), engine.placement.compute.budget, prompt, params)
+    if key not in _reference:
+        finish, _, cache = generate(engine, prompt, params)
+        _reference[key] = (finish.token_ids, cache.length)
+    return _reference[key]
+
+
+def grid() -> list:
+    """Every (depth 1..8, width 1..4) pair once across the four drafters. Each drafter's depth-1 case runs at a
+    25% budget (the expert-heavy preset: every verification pass reads experts; widths 1-4 across drafters),
+    the others at 100% (the tiny preset); prompts rotate."""
+    cases = []
+    for i, name in enumerate(DRAFTERS):
+        for depth in range(1, 9):
+            width = (depth + i) % 4 + 1
+            budget = "25%" if depth == 1 else "100%"
+            cases.append(pytest.param(name, depth, width, budget, depth % len(PROMPTS),
+                                      id=f"{name}-d{depth}-w{width}"))
+    return cases
+
+
+@pytest.mark.parametrize("drafter, depth, width, budget, prompt", grid())
+def test_greedy_output_is_identical_to_plain_decoding(engines, drafter, depth, width, budget, prompt):
+    target = engines("deepseek" if drafter == "mtp" else "qwen", budget)
+    draft = None
+    if drafter == "draft":  # a different small model at 25%, the target itself at 100% (everything accepted)
+        draft = engines("llama", "100%") if budget == "25%" else open_engine(target.checkpoint.root, None, 256)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    expected, length = plain(target, PROMPTS[prompt], params)
+    finish, stepper, cache = generate(target, PROMPTS[prompt], params, drafter, depth, width, draft)
+    assert finish.token_ids == expected
+    assert cache.length == length  # the rewound cache holds what plain decoding's does
+    assert stepper.stats.spec_steps > 0
+    assert stepper.stats.target_forwards == 1 + stepper.stats.steps
+    if draft is not None and draft is not engines("llama", "100%"):
+        draft.close()
+
+
+def test_hybrid_models_verify_chains(checkpoint_factory):
+    """Recurrent (linear-attention) layers cannot keep a branch of a tree: the stepper sends chains, and the
+    cache's recurrent state is rewound by replay; output stays identical."""
+    target = open_engine(checkpoint_factory("qwen3_next", "tiny"), None, 256)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    expected, length = plain(target, PROMPTS[0], params)
+    finish, stepper, cache = generate(target, PROMPTS[0], params, "self", 3, 3)
+    assert finish.token_ids == expected and cache.length == length
+    assert stepper.stats.accepted > 0 and stepper.max_width == 1
+    target.close()
+
+
+def test_draft_equal_to_target_accepts_everything(engines):
+    target = engines("qwen", "100%")
+    draft = open_engine(target.checkpoint.root, None, 256)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    for depth in (1, 3, 6):
+        finish, stepper, _ = generate(target, PROMPTS[0], params, "draft", depth, 1, draft)
+        assert finish.token_ids == plain(target, PROMPTS[0], params)[0]
+        hist = stepper.stats.accept_hist
+        # every step accepts all `depth` drafts (+ its bonus token), except where the cache's end cut the tree
+        assert stepper.stats.accepted == stepper.stats.drafted
+        assert hist[depth] >= stepper.stats.spec_steps - 1
+        assert stepper.stats.target_forwards <= 1 + -(-(NEW - 1) // (depth + 1)) + 1
+    draft.close()
+
+
+def test_stopping_mid_step_rewinds_the_cache(engines):
+    """A stop token inside an accepted run ends generation there; the unused ids' entries are trimmed."""
+    target = engines("qwen", "100%")
+    draft = open_engine(target.checkpoint.root, None, 256)
+    expected, _ = plain(target, PROMPTS[1], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    stop = expected[9]
+    for max_new in (NEW, 7):  # stop token, then length, cutting a 6-deep run of accepted drafts
+        p = SamplingParams(max_new_tokens=max_new, ignore_eos=True, stop_token_ids=(stop,))
+        want, length = plain(target, PROMPTS[1], p)
+        finish, stepper, cache = generate(target, PROMPTS[1], p, "draft", 6, 1, draft)
+        assert finish.token_ids == want and cache.length == length
+    draft.close()
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft", "mtp", "auto"])
+def test_seeded_sampling_runs_are_reproducible(engines, spec):
+    """Same seed, same output (the self drafter is left out: its drafts depend on what happens to be resident,
+    which is why "auto" leaves it out of seeded sampling runs)."""
+    target = engines("deepseek" if spec == "mtp" else "qwen", "100%")
+    draft = engines("llama", "100%") if spec == "draft" else None
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1234, max_new_tokens=24, ignore_eos=True)
+    depth, width = (None, None) if spec == "auto" else (3, 2)  # auto: the cost model decides, and is seeded too
+    runs = [generate(target, PROMPTS[0], params, spec, depth, width, draft)[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 24
+    other = SamplingParams(**{**params.__dict__, "seed": 99})
+    assert generate(target, PROMPTS[0], other, spec, depth, width, draft)[0].token_ids != runs[0]
+
+
+def test_cost_model_turns_speculation_off_when_it_loses_and_on_when_it_wins():
+    cost = CostModel(num_experts=64, experts_per_token=4)
+    cost.observe_forward(1, 0.010)
+    cost.observe_forward(40, 0.140)  # a prefill: verification cost grows with the expert union
+    for _ in range(20):
+        cost.observe_ranks("ngram", [-1], [1])  # nothing is ever accepted
+    assert cost.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"}).drafter is None
+    dense = CostModel()  # dense model: a forward over a few tokens costs about one token's
+    for T in (1, 2, 5, 9):
+        for _ in range(4):
+            dense.observe_forward(T, 0.010 + 0.0002 * (T - 1))
+    for _ in range(40):
+        dense.observe_ranks("ngram", [0, 0, 0, -1], [1, 1, 1, 1])
+    plan = dense.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"})
+    assert plan.drafter == "ngram" and plan.depth >= 3
+    assert dense.plan({"ngram": 0.0}, 8, 4, depth=2, width=3) .depth == 2  # overrides win
+
+
+def test_auto_is_lossless_and_reports_stats(engines):
+    target = engines("deepseek", "25%")
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    finish, stepper, cache = generate(target, PROMPTS[0], params, "auto")
+    assert finish.token_ids == plain(target, PROMPTS[0], params)[0]
+    stats = stepper.stats.as_dict()
+    assert {"mean_accepted", "accept_hist", "target_forwards"} <= set(stats)
+    assert sorted(stepper.drafters) == ["mtp", "ngram", "self"]
+    assert target.placement.home("mtp") == target.placement.compute.name  # MTP units pinned on the fastest tier
+
+
+def test_refusals(engines):
+    target = engines("qwen", "100%")
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ConfigError, match="no multi-token-prediction"):
+        generate(target, PROMPTS[2], params, "mtp")
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        generate(target, PROMPTS[2], params, "draft")
+    with pytest.raises(ConfigError, match="spec must be one of"):
+        generate(target, PROMPTS[2], params, "medusa")
+    with pytest.raises(ConfigError, match="spec_depth"):
+        generate(target, PROMPTS[2], params, "ngram", depth=0)
+    draft = engines("llama", "100%")
+    vocab = dict(target.tokenizer.backend.get_vocab())
+    a, b = sorted(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    other = Tokenizer.from_backend(HFTokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")),
+                                   eos_token_ids=target.tokenizer.eos_token_ids)
+    with pytest.raises(ConfigError, match="vocabulary differs"):
+        make_stepper(target.model, target.model.new_cache(16), Sampler(params), "draft", draft=draft.model,
+                     tokenizer=target.tokenizer, draft_tokenizer=other)
+    with pytest.raises(ConfigError, match="vocab_size"):  # no tokenizers to compare: the sizes must agree
+        check_same_vocabulary(None, None, 512, 4096)
+
+
+def test_self_drafter_routing_restriction():
+    """Non-resident experts are skipped and the kept weights rescaled to the row's total; skipped slots point at
+    an expert the token keeps (weight 0), so nothing missing is acquired; optionally only the heaviest few."""
+    indices = torch.tensor([[3, 5, 7, 9], [1, 2, 4, 5], [8, 6, 0, 2]])
+    weights = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.5, 0.2, 0.2, 0.1]])
+    idx, w = restrict(indices, weights, torch.tensor([3, 7, 6]))
+    assert torch.allclose(w[[0, 2]].sum(-1), weights[[0, 2]].sum(-1))
+    assert torch.allclose(w[0], torch.tensor([0.4, 0.0, 0.2, 0.0]) / 0.6)
+    assert idx[0].tolist() == [3, 3, 7, 3] and set(idx[2].tolist()) == {6}
+    assert idx[1].tolist() == [3, 3, 3, 3] and bool((w[1] == 0).all())  # nothing resident: routed output 0
+    idx, w = restrict(indices, weights, torch.tensor([3, 7, 6, 8, 0]), keep_top=1)
+    assert torch.allclose(w[2], torch.tensor([1.0, 0.0, 0.0, 0.0])) and idx[2].tolist() == [8, 8, 8, 8]
+
+
+def test_plain_stepper_for_off(engines):
+    target = engines("qwen", "100%")
+    stepper = make_stepper(target.model, target.model.new_cache(16), Sampler(SamplingParams()), "off")
+    assert isinstance(stepper, PlainStepper)
+    stepper = make_stepper(target.model, target.model.new_cache(16), Sampler(SamplingParams()), "ngram")
+    assert isinstance(stepper, SpeculativeStepper)
