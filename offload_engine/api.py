@@ -1,12 +1,16 @@
-"""Engine: the Python API. Engine.open(path, budget=...) -> generate() / stream() / logits().
+"""Engine: the Python API. Engine.open(path, budget=..., spec=...) -> generate() / stream() / logits().
 
 Concurrent generate() calls on one engine are serialized by a lock (one KV cache and one weight store per
-engine): they give the same outputs as sequential calls.
+engine): they give the same outputs as sequential calls. A thread that starts a second request while it still
+iterates a stream of the same engine gets EngineBusyError (it would otherwise wait on itself); close() from
+that thread ends the suspended stream first.
 """
 from __future__ import annotations
 
 import os
 import threading
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -15,21 +19,27 @@ import torch
 
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
-from .errors import ConfigError, EngineClosedError
+from .errors import ConfigError, EngineBusyError, EngineClosedError
 from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
-from .spec.decoder import FinishEvent, TokenEvent, decode_stream
-from .spec.sampling import SamplingParams
+from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
+from .spec.cost import SpecStats
+from .spec.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
+from .spec.sampling import Sampler, SamplingParams
+from .spec.speculative import MAX_DEPTH, MAX_WIDTH, SPEC_MODES, make_stepper
 from .store.build import build_store, plan_for
 from .store.store import ReadFn, TieredStore
 from .tokenizer import Tokenizer
 
 
 DEFAULT_CONTEXT = 4096
+# KV entries a draft tree may occupy beyond the committed tokens during one verification pass; reserved (and
+# charged) in every engine so any request may speculate
+SPEC_ROOM = MAX_DEPTH * MAX_WIDTH + 1
 
 
 @dataclass
@@ -42,49 +52,88 @@ class Completion:
 
 class Engine:
     def __init__(self, checkpoint: ModelCheckpoint, model: CausalLM, tokenizer: Tokenizer | None,
-                 store: TieredStore, device: torch.device, dtype: torch.dtype):
+                 store: TieredStore, device: torch.device, dtype: torch.dtype, *, context: int | None = None,
+                 spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
+                 draft: "Engine | None" = None):
         self.checkpoint, self.model, self.tokenizer, self.store = checkpoint, model, tokenizer, store
         self.device, self.dtype = device, dtype
+        self.context = context or model.max_context  # prompt + generated tokens one request may hold
+        self.spec, self.spec_depth, self.spec_width = _check_spec(spec, spec_depth, spec_width)
+        self.draft = draft
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the request holding the lock
+        self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        # an engine dropped without close() still joins its reader threads and closes its descriptors
+        self._finalizer = weakref.finalize(self, _close_parts, store, draft)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
              direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
-             allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None) -> "Engine":
+             allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
+             spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
+             draft_model: str | os.PathLike | None = None, draft_budget: Budget | None = None) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
-        the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests)."""
+        the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
+
+        spec: the default speculative mode of requests ("off", "auto", "ngram", "mtp", "draft", "self");
+        "auto" and "mtp" load the checkpoint's MTP layers as `mtp` units; spec_depth / spec_width fix the draft
+        shape (default: the cost model chooses each step). draft_model: a smaller checkpoint with the same
+        tokenizer, opened as its own engine within `draft_budget`."""
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
+        spec, spec_depth, spec_width = _check_spec(spec, spec_depth, spec_width)
+        if spec == "draft" and draft_model is None:
+            raise ConfigError("spec 'draft' needs a draft model: pass --draft-model DIR (API: draft_model=...)")
         dev = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, dev)
         checkpoint = open_model(path, allow_cast=allow_cast)
+        if spec in ("auto", "mtp"):
+            checkpoint = attach_mtp_units(checkpoint)
         resolved = budget.resolve(checkpoint.total_bytes)
         context = max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
         ops = checkpoint.arch.ops(checkpoint.args, dev, compute_dtype)
         itemsize = torch.empty((), dtype=compute_dtype).element_size()
-        kv_bytes = context * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
+        kv_bytes = _kv_bytes(checkpoint, ops, itemsize, context)
         placement, use_direct = plan_for(checkpoint, resolved, dev, kv_bytes, direct_io)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn)
-        model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context)
-        model.prefetcher = _prefetcher(model, store, prefetch, trace)
-        tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
-        return cls(checkpoint, model, tokenizer, store, dev, compute_dtype)
+        draft = None
+        try:
+            model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM)
+            if spec == "mtp" and not mtp_supported(model):
+                raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
+                                  f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
+                                  f"{checkpoint.arch.name})")
+            model.prefetcher = _prefetcher(model, store, prefetch, trace)
+            tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
+            if draft_model is not None and spec in ("auto", "draft"):
+                draft = _open_draft(draft_model, draft_budget, dev, compute_dtype, context, tokenizer,
+                                    model.vocab_size, progress)
+        except BaseException:
+            store.close()
+            raise
+        return cls(checkpoint, model, tokenizer, store, dev, compute_dtype, context=context, spec=spec,
+                   spec_depth=spec_depth, spec_width=spec_width, draft=draft)
 
     @property
     def placement(self) -> Placement:
         return self.store.placement
 
     def close(self) -> None:
-        """Idempotent: joins the reader threads and frees every slot."""
+        """Idempotent: joins the reader threads and frees every slot. Called from the thread that is iterating
+        a stream of this engine, it ends that stream first."""
+        if self._owner == threading.get_ident():
+            for stream in list(self._streams):
+                if stream.gi_frame is not None and not stream.gi_running:
+                    stream.close()  # its `finally` releases the lock
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.store.close()
+                self._finalizer()
 
     def __enter__(self) -> "Engine":
         return self
@@ -96,6 +145,22 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is closed: open a new one with Engine.open(...)")
 
+    @contextmanager
+    def _request(self) -> Iterator[None]:
+        """Hold the engine for one request; refuse (instead of deadlocking) a nested one from the same thread."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise EngineBusyError("this thread is still iterating a stream() of this engine: finish or close() "
+                                  "that stream first (an engine serves one request at a time; open a second "
+                                  "engine for parallel requests)")
+        with self._lock:
+            self._check_open()
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
     # ---- inference -------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -106,18 +171,44 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def stream(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any
+    def stream(self, prompt: str | Sequence[int], *, chat: bool = False, spec: str | None = None,
+               spec_depth: int | None = None, spec_width: int | None = None, **sampling: Any
                ) -> Iterator[TokenEvent | FinishEvent]:
-        """Yield TokenEvents as tokens are accepted, then a FinishEvent. Holds the engine lock while iterating."""
+        """Yield TokenEvents as tokens are accepted, then a FinishEvent. Holds the engine lock while iterating.
+        spec / spec_depth / spec_width override the engine's speculative defaults for this request. Arguments
+        are checked here, before the first next()."""
         self._check_open()
         params = SamplingParams(**sampling)
-        ids = self.encode(prompt, chat)
-        with self._lock:
-            self._check_open()
+        ids = check_prompt(self.encode(prompt, chat), self.model.vocab_size)
+        if spec is None:
+            mode, depth, width = self.spec, self.spec_depth, self.spec_width
+        else:
+            mode, depth, width = _check_spec(spec, spec_depth, spec_width)
+        if mode == "mtp" and not mtp_layer_count(self.checkpoint):
+            raise ConfigError("spec 'mtp': this engine was opened without the checkpoint's MTP layers; open it with "
+                              "spec='mtp' or spec='auto'")
+        if len(ids) + params.max_new_tokens > self.context:
+            raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the "
+                              f"context this engine reserved in its budget ({self.context} tokens): open it with a "
+                              f"larger max_context (--context)")
+        stream = self._serve(ids, params, mode, depth, width)
+        self._streams.add(stream)
+        return stream
+
+    def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None
+               ) -> Iterator[TokenEvent | FinishEvent]:
+        with self._request():
             before = self.store.stats.snapshot()
-            for event in decode_stream(self.model, ids, params, self.tokenizer):
+            cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
+            spec_stats = SpecStats()
+            draft = self.draft
+            stepper = make_stepper(self.model, cache, Sampler(params), mode, depth=depth, width=width, draft=draft,
+                                   store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
+                                   draft_tokenizer=draft.tokenizer if draft is not None else None)
+            for event in drive(stepper, ids, GenerationState(params, self.tokenizer)):
                 if isinstance(event, FinishEvent):
                     event.stats = self.stats(event, before)
+                    event.stats["spec"] = _spec_summary(mode, spec_stats, event)
                 yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
@@ -135,8 +226,7 @@ class Engine:
         ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long)
         if ids.numel() == 0:
             raise ConfigError("logits(): token_ids is empty")
-        with self._lock:
-            self._check_open()
+        with self._request():
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
     def stats(self, finish: FinishEvent, before: dict | None = None) -> dict[str, Any]:
@@ -160,6 +250,58 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+def _check_spec(spec: str, depth: int | None, width: int | None) -> tuple[str, int | None, int | None]:
+    if spec not in SPEC_MODES:
+        raise ConfigError(f"--spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
+    for flag, value, most in (("--spec-depth", depth, MAX_DEPTH), ("--spec-width", width, MAX_WIDTH)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            raise ConfigError(f"{flag} must be an integer from 1 to {most}, got {value!r}")
+    return spec, depth, width
+
+
+def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int) -> int:
+    """Every byte of per-sequence state one request may hold: the main model's KV for the context plus a draft
+    tree, its recurrent state with rollback logs, and each MTP layer's own cache (one attention layer's share,
+    for the context, the tree and the MTP chain)."""
+    per_token = ops.kv_bytes_per_token(itemsize)
+    tokens = context + SPEC_ROOM
+    total = tokens * per_token + ops.state_bytes(itemsize, rollback=ROLLBACK)
+    mtp_layers = mtp_layer_count(checkpoint)
+    if mtp_layers:
+        total += mtp_layers * (tokens + MAX_DEPTH + 1) * -(-per_token // checkpoint.spec.num_layers)
+    return total
+
+
+def _open_draft(path: str | os.PathLike, budget: Budget | None, device: torch.device, dtype: torch.dtype,
+                context: int, tokenizer: Tokenizer | None, vocab_size: int, progress: bool) -> "Engine":
+    """The draft model as an engine of its own (store, budget, reader threads), vocabulary checked now."""
+    from .spec.drafters.draft_model import check_same_vocabulary
+
+    draft = Engine.open(path, budget=budget, device=device, dtype=dtype, max_context=context + SPEC_ROOM + MAX_DEPTH,
+                        prefetch=False, progress=progress)
+    try:
+        check_same_vocabulary(tokenizer, draft.tokenizer, vocab_size, draft.model.vocab_size)
+    except BaseException:
+        draft.close()
+        raise
+    return draft
+
+
+def _close_parts(store: TieredStore, draft: "Engine | None") -> None:
+    store.close()
+    if draft is not None:
+        draft.close()
+
+
+def _spec_summary(mode: str, stats: SpecStats, finish: FinishEvent) -> dict[str, Any]:
+    """What speculation did for one request; tokens per target forward counts the prefill forward too."""
+    out: dict[str, Any] = {"mode": mode}
+    forwards = stats.target_forwards if mode != "off" else (1 + max(len(finish.token_ids) - 1, 0))
+    out.update(stats.as_dict() if mode != "off" else {"target_forwards": forwards})
+    out["tokens_per_forward"] = len(finish.token_ids) / forwards if forwards else 0.0
+    return out
 
 
 def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | bool,

@@ -18,6 +18,12 @@ RUN_EXAMPLES = """examples:
   offload-engine run --prompt "def fibonacci(n):"
   offload-engine run --model ~/models/Qwen3-30B-A3B --ram 48GiB --prompt "Hello" --max-new-tokens 64 --stats
   offload-engine run --model DIR --temperature 0.7 --top-p 0.9 --seed 1 --json
+  offload-engine run --model ~/models/DeepSeek-V3 --vram 24GiB --ram 200GiB --spec mtp --prompt "..."
+  offload-engine run --model DIR --spec draft --draft-model ~/models/Qwen3-0.6B --draft-ram 2GiB --prompt "..."
+
+speculative decoding (--spec): output is identical to plain decoding (greedy) or has the same distribution
+(sampling). auto lets a cost model pick the drafter, the draft depth and width each step from the measured
+acceptance and the bytes of experts a verification pass would read, and skips drafting when it would lose.
 """
 INSPECT_EXAMPLES = """examples:
   offload-engine inspect ~/models/Qwen3-30B-A3B
@@ -56,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert cache eviction policy")
     run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
                      help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
+    run.add_argument("--spec", default="off", choices=["off", "auto", "ngram", "mtp", "draft", "self"],
+                     help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
+                          "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
+                          "restricted to its resident experts)")
+    run.add_argument("--spec-depth", type=int, help="draft tokens per step (default: chosen each step)")
+    run.add_argument("--spec-width", type=int, help="draft candidates per depth, a tree (default: chosen each step)")
+    run.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
+    run.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
+    run.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
     run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -87,7 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     with Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
                      max_context=args.context, policy=args.policy, direct_io=args.direct_io,
-                     allow_cast=args.allow_cast, progress=_progress(args)) as engine:
+                     allow_cast=args.allow_cast, progress=_progress(args), spec=args.spec,
+                     spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
+                     draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram)) as engine:
         if args.show_plan:
             print(engine.placement.describe(), file=sys.stderr)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -114,8 +131,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def format_stats(stats: dict[str, Any]) -> str:
     hit_rate = 100 * stats["hit_rate"]
     peak = stats["peak_bytes"]
+    spec = stats.get("spec", {})
+    drafted = ""
+    if spec.get("mode", "off") != "off":
+        drafted = (f" | spec {spec['mode']}: {spec['tokens_per_forward']:.2f} tokens/forward, "
+                   f"{spec['mean_accepted']:.2f} accepted/draft over {spec['spec_steps']} drafts")
     return (f"[{stats['generated_tokens']} tokens | prefill {stats['prefill_tok_s']:.1f} tok/s | "
-            f"decode {stats['decode_tok_s']:.2f} tok/s | hit rate {hit_rate:.1f}% | "
+            f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
             f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
             f"{stats['device']} {stats['dtype']}]")
@@ -184,25 +206,34 @@ def _sigint_raises():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    restore = _sigint_raises()
+    """Run one subcommand; returns the exit status. Run as the program (argv None: the console script,
+    `python -m offload_engine.cli`), Ctrl-C ends the process right after the engine has closed (reader threads
+    joined, descriptors closed), with status 130: the interpreter's own teardown of torch can take seconds."""
+    restore = args = None
     try:
+        restore = _sigint_raises()
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:  # the engine was closed on the way out (its `with` block)
         try:
             sys.stdout.flush()
             print("\ninterrupted", file=sys.stderr)
+            sys.stderr.flush()
         except (KeyboardInterrupt, OSError):  # a second Ctrl-C, or a closed stream: the status still says it
             pass
+        if argv is None:
+            import os
+
+            os._exit(130)
         return 130
     except OffloadEngineError as e:
-        if args.debug:
+        if args is not None and args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     finally:
-        restore()
+        if restore is not None:
+            restore()
 
 
 if __name__ == "__main__":

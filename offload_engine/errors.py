@@ -1,7 +1,9 @@
 """Typed errors. Every message names the file, tensor or flag concerned, what was expected and what was found."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 
 class OffloadEngineError(Exception):
@@ -88,3 +90,43 @@ class IOFault(OffloadEngineError, OSError):
 
 class EngineClosedError(OffloadEngineError, RuntimeError):
     """The engine was used after close()."""
+
+
+class EngineBusyError(OffloadEngineError, RuntimeError):
+    """A request was started in the thread that is still iterating another request's stream (it would wait on
+    itself forever: one engine serves one request at a time)."""
+
+
+class IOStallError(IOFault, TimeoutError):
+    """No read completed within the stall timeout: names the shard and offset of the oldest read in progress.
+    A TimeoutError too, so callers that wait on reads with a deadline catch it as one."""
+
+
+class DeviceOOMError(OffloadEngineError, RuntimeError):
+    """The device (or host) allocator ran out of memory during a request: that request fails, the engine stays
+    usable. A RuntimeError, like the torch.OutOfMemoryError it wraps (the original is its __cause__)."""
+
+    exit_code = 3
+
+    def __init__(self, where: str, reason: str):
+        self.where = where
+        super().__init__(f"{where}: out of memory: {reason} (hint: lower --ram/--vram shares or max_context, "
+                         f"or free memory used by other processes)")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA, MPS, XPU, and CPU allocators that report it), without importing torch here."""
+    oom = getattr(sys.modules.get("torch"), "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom) and not isinstance(exc, OffloadEngineError)
+
+
+@contextmanager
+def out_of_memory_as_error(where: str) -> Iterator[None]:
+    """Turn an allocator's out-of-memory error into a DeviceOOMError naming `where` (RELIABILITY M6: one
+    request fails with an engine error, exit code 3, and the engine stays usable)."""
+    try:
+        yield
+    except Exception as e:
+        if is_out_of_memory(e):
+            raise DeviceOOMError(where, str(e)) from e
+        raise

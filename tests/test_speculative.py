@@ -9,15 +9,12 @@ from tokenizers import models
 
 from offload_engine import Budget, Engine
 from offload_engine.errors import ConfigError
-from offload_engine.runtime.model import CausalLM
-from offload_engine.runtime.mtp import attach_mtp_units
 from offload_engine.spec.cost import CostModel
 from offload_engine.spec.decoder import FinishEvent, GenerationState, PlainStepper, drive
 from offload_engine.spec.drafters.draft_model import check_same_vocabulary
 from offload_engine.spec.drafters.self_draft import restrict
 from offload_engine.spec.sampling import Sampler, SamplingParams
 from offload_engine.spec.speculative import SpeculativeStepper, make_stepper
-from offload_engine.store.build import build_store, plan_for
 from offload_engine.tokenizer import Tokenizer
 
 NEW = 64
@@ -30,19 +27,8 @@ DRAFTERS = ("ngram", "self", "draft", "mtp")
 
 
 def open_engine(path, budget: Budget | None, max_context: int) -> Engine:
-    """Engine.open, with the checkpoint's MTP units in the store (what open_model does once it attaches them)."""
-    engine = Engine.open(path, budget=budget, max_context=max_context)
-    checkpoint = attach_mtp_units(engine.checkpoint)
-    if checkpoint is engine.checkpoint:
-        return engine
-    engine.close()
-    dev, dtype = torch.device("cpu"), torch.float32
-    kv_bytes = max_context * checkpoint.arch.ops(checkpoint.args, dev, dtype).kv_bytes_per_token(4)
-    placement, direct = plan_for(checkpoint, (budget or Budget()).resolve(checkpoint.total_bytes), dev, kv_bytes,
-                                 "auto")
-    store = build_store(checkpoint, placement, dev, dtype, direct, "layer-lru", False)
-    model = CausalLM(checkpoint, store, dev, dtype, max_context=max_context)
-    return Engine(checkpoint, model, Tokenizer(checkpoint.root), store, dev, dtype)
+    """spec="auto" loads the checkpoint's MTP layers (as `mtp` units) when it ships them."""
+    return Engine.open(path, budget=budget, max_context=max_context, spec="auto")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -213,7 +213,7 @@ def decode_stream(model: CausalLMLike, prompt_ids: Sequence[int], params: Sampli
 
     Arguments are checked here, eagerly, so a bad request fails at the call rather than at the first next().
     """
-    prompt = _check_prompt(prompt_ids, model.vocab_size)
+    prompt = check_prompt(prompt_ids, model.vocab_size)
     state = GenerationState(params, tokenizer)
     if cache is None:
         cache = model.new_cache(len(prompt) + params.max_new_tokens)
@@ -221,7 +221,7 @@ def decode_stream(model: CausalLMLike, prompt_ids: Sequence[int], params: Sampli
     return drive(stepper, prompt, state)
 
 
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ConfigError("prompt is empty: give at least one token (e.g. the BOS token)")
