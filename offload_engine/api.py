@@ -207,8 +207,7 @@ class Engine:
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
             for event in drive(stepper, ids, GenerationState(params, self.tokenizer)):
                 if isinstance(event, FinishEvent):
-                    event.stats = self.stats(event, before)
-                    event.stats["spec"] = _spec_summary(mode, spec_stats, event)
+                    event.stats = {**self.stats(event, before), **_spec_summary(mode, spec_stats, event)}
                 yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
@@ -296,12 +295,13 @@ def _close_parts(store: TieredStore, draft: "Engine | None") -> None:
 
 
 def _spec_summary(mode: str, stats: SpecStats, finish: FinishEvent) -> dict[str, Any]:
-    """What speculation did for one request; tokens per target forward counts the prefill forward too."""
-    out: dict[str, Any] = {"mode": mode}
-    forwards = stats.target_forwards if mode != "off" else (1 + max(len(finish.token_ids) - 1, 0))
-    out.update(stats.as_dict() if mode != "off" else {"target_forwards": forwards})
-    out["tokens_per_forward"] = len(finish.token_ids) / forwards if forwards else 0.0
-    return out
+    """What speculation did for one request (SpecStats.as_dict keys, at the top level of the stats); a plain
+    request makes one target forward per token. tokens_per_forward counts the prefill forward too."""
+    if mode == "off":
+        stats = SpecStats(target_forwards=max(len(finish.token_ids), 1), steps=max(len(finish.token_ids) - 1, 0))
+    forwards = stats.target_forwards
+    return {"spec": mode, **stats.as_dict(),
+            "tokens_per_forward": len(finish.token_ids) / forwards if forwards else 0.0}
 
 
 def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | bool,

@@ -131,11 +131,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def format_stats(stats: dict[str, Any]) -> str:
     hit_rate = 100 * stats["hit_rate"]
     peak = stats["peak_bytes"]
-    spec = stats.get("spec", {})
     drafted = ""
-    if spec.get("mode", "off") != "off":
-        drafted = (f" | spec {spec['mode']}: {spec['tokens_per_forward']:.2f} tokens/forward, "
-                   f"{spec['mean_accepted']:.2f} accepted/draft over {spec['spec_steps']} drafts")
+    if stats.get("spec", "off") != "off":
+        drafted = (f" | spec {stats['spec']}: {stats['tokens_per_forward']:.2f} tokens/forward, "
+                   f"{stats['mean_accepted']:.2f} accepted/draft over {stats['spec_steps']} drafts")
     return (f"[{stats['generated_tokens']} tokens | prefill {stats['prefill_tok_s']:.1f} tok/s | "
             f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
