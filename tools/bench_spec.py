@@ -7,7 +7,7 @@ table reports the median decode tok/s over the repeats and its ratio to off, the
 (decode tokens per CPU-second: steady on a shared machine, but blind to time spent waiting for reads, which
 the bytes read per token show), acceptance, target forwards and bytes read from disk per token.
 
-    python tools/bench_spec.py --model .cache/ds-offload-mtp --budget 25% --specs off,auto,ngram,mtp,self
+    python tools/bench_spec.py --model .cache/ds-offload-mtp --budget 25% --specs off,auto,ngram,mtp,self --out spec.json
     python tools/bench_spec.py --make deepseek_v3:offload:mtp=1 --budget 25% --prompt code --json
 """
 from __future__ import annotations
@@ -24,13 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_engine import Budget, Engine  # noqa: E402
-from offload_engine.runtime.model import CausalLM  # noqa: E402
-from offload_engine.runtime.mtp import attach_mtp_units  # noqa: E402
-from offload_engine.spec.decoder import FinishEvent, GenerationState, drive  # noqa: E402
-from offload_engine.spec.sampling import Sampler, SamplingParams  # noqa: E402
-from offload_engine.spec.speculative import make_stepper  # noqa: E402
-from offload_engine.store.build import build_store, plan_for  # noqa: E402
-from offload_engine.tokenizer import Tokenizer  # noqa: E402
+from offload_engine.spec.decoder import FinishEvent  # noqa: E402
 
 PROMPTS = {
     # repetitive code: what n-gram lookup is for
@@ -42,57 +36,25 @@ PROMPTS = {
 }
 
 
-def open_engine(path: Path, budget: Budget | None, max_context: int) -> Engine:
-    """Engine.open with the checkpoint's MTP units in the store (until open_model attaches them itself)."""
-    engine = Engine.open(path, budget=budget, max_context=max_context)
-    checkpoint = attach_mtp_units(engine.checkpoint)
-    if checkpoint is engine.checkpoint:
-        return engine
-    engine.close()
-    dev, dtype = torch.device("cpu"), torch.float32
-    kv = max_context * checkpoint.arch.ops(checkpoint.args, dev, dtype).kv_bytes_per_token(4)
-    placement, direct = plan_for(checkpoint, (budget or Budget()).resolve(checkpoint.total_bytes), dev, kv, "auto")
-    store = build_store(checkpoint, placement, dev, dtype, direct, "layer-lru", False)
-    model = CausalLM(checkpoint, store, dev, dtype, max_context=max_context)
-    return Engine(checkpoint, model, Tokenizer(checkpoint.root), store, dev, dtype)
-
-
 def run_once(path: Path, budget: Budget, spec: str, prompt: str, tokens: int, depth: int | None,
              width: int | None, draft_path: Path | None, context: int = 512) -> dict:
-    engine = open_engine(path, budget, context)
-    draft = open_engine(draft_path, None, context) if draft_path and spec in ("draft", "auto") else None
-    try:
-        ids = engine.encode(prompt)
-        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-        cache = engine.model.new_cache(len(ids) + tokens)
-        stepper = make_stepper(engine.model, cache, Sampler(params), spec, depth=depth, width=width, draft=draft,
-                               store=engine.store, tokenizer=engine.tokenizer,
-                               draft_tokenizer=draft.tokenizer if draft else None)
-        before = engine.store.stats.bytes_read_disk
-        start, cpu_first, finish = time.perf_counter(), None, None
-        for event in drive(stepper, ids, GenerationState(params, engine.tokenizer)):
+    """One fresh engine (cold store) opened as a user would: Engine.open(spec=...), one greedy request."""
+    draft = {"draft_model": draft_path} if draft_path and spec in ("draft", "auto") else {}
+    with Engine.open(path, budget=budget, max_context=context, spec=spec, spec_depth=depth, spec_width=width,
+                     **draft) as engine:
+        cpu_first, finish = None, None
+        for event in engine.stream(prompt, max_new_tokens=tokens, ignore_eos=True):
             if cpu_first is None:  # the first token comes from prefill: decode CPU time starts here
                 cpu_first = time.process_time()
             if isinstance(event, FinishEvent):
                 finish = event
         cpu = time.process_time() - cpu_first
-        wall = time.perf_counter() - start
-        n = len(finish.token_ids)
-        out = {"spec": spec, "tokens": finish.token_ids, "decode_tok_s": finish.decode_tokens_per_s, "wall_s": wall,
-               "cpu_tok_s": (n - 1) / cpu if cpu > 0 else 0.0,
-               "bytes_read_disk_per_token": (engine.store.stats.bytes_read_disk - before) / n}
-        stats = getattr(stepper, "stats", None)
-        if stats is not None:
-            out.update(mean_accepted=stats.mean_accepted, accept_hist=stats.accept_hist,
-                       target_forwards=stats.target_forwards, spec_steps=stats.spec_steps,
-                       plan=stepper.cost.summary())
-        else:
-            out.update(mean_accepted=0.0, accept_hist=[], target_forwards=len(finish.token_ids), spec_steps=0)
-        return out
-    finally:
-        engine.close()
-        if draft is not None:
-            draft.close()
+    st, n = finish.stats, len(finish.token_ids)
+    return {"spec": spec, "tokens": finish.token_ids, "decode_tok_s": st["decode_tok_s"],
+            "cpu_tok_s": (n - 1) / cpu if cpu > 0 else 0.0,
+            "bytes_read_disk_per_token": st["bytes_read_disk_per_token"], "mean_accepted": st["mean_accepted"],
+            "accept_hist": st["accept_hist"], "target_forwards": st["target_forwards"],
+            "spec_steps": st["spec_steps"], "by_drafter": st["by_drafter"]}
 
 
 def make(spec: str, cache_dir: Path) -> Path:
@@ -123,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-depth", type=int, default=None)
     ap.add_argument("--spec-width", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    ap.add_argument("--out", type=Path, default=Path("bench-spec.json"), help="JSON written here too")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     path = a.model or make(a.make, a.cache)
@@ -159,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                      "target_forwards": int(statistics.median(r["target_forwards"] for r in ok)),
                      "bytes_read_disk_per_token": int(statistics.median(r["bytes_read_disk_per_token"] for r in ok)),
                      "all_tok_s": [round(r["decode_tok_s"], 2) for r in ok]})
+    report = {"model": str(path), "budget": a.budget, "prompt": a.prompt, "tokens": a.tokens, "repeat": a.repeat,
+              "rows": rows}
+    a.out.write_text(json.dumps(report, indent=2))
     if a.json:
-        print(json.dumps({"model": str(path), "budget": a.budget, "prompt": a.prompt, "tokens": a.tokens,
-                          "rows": rows}, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
     print(f"{path.name}  budget {a.budget}  prompt {a.prompt!r}  {a.tokens} tokens  median of {a.repeat}")
     print(f"{'spec':<7}{'tok/s':>8}{'vs off':>8}{'cpu tok/s':>11}{'vs off':>8}{'same':>6}{'acc/step':>10}"
@@ -173,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['spec']:<7}{r['decode_tok_s']:>8.2f}{r['vs_off']:>8.2f}{r['cpu_tok_s']:>11.2f}"
               f"{r['cpu_vs_off']:>8.2f}{str(r['identical']):>6}{r['mean_accepted']:>10.2f}{r['spec_steps']:>12}{r['target_forwards']:>5}"
               f"{r['bytes_read_disk_per_token']:>12}   {r['all_tok_s']}")
+    print(f"wrote {a.out}")
     return 0
 
 
