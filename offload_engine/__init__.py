@@ -2,12 +2,12 @@
 from .api import Completion, Engine
 from .checkpoint.index import CheckpointIndex
 from .config import Budget
-from .errors import (BudgetError, CheckpointError, CheckpointFormatError, ConfigError, EngineClosedError, IOFault,
-                     OffloadEngineError, PlanError)
+from .errors import (BudgetError, CheckpointError, CheckpointFormatError, ConfigError, DeviceOOMError,
+                     EngineBusyError, EngineClosedError, IOFault, IOStallError, OffloadEngineError, PlanError)
 from .prefetch.prefetcher import PrefetchConfig
 from .spec.sampling import SamplingParams
 
 __all__ = ["Engine", "Completion", "Budget", "PrefetchConfig", "SamplingParams", "CheckpointIndex", "OffloadEngineError",
            "CheckpointError", "CheckpointFormatError", "ConfigError", "BudgetError", "PlanError", "IOFault",
-           "EngineClosedError"]
+           "EngineClosedError", "EngineBusyError", "IOStallError", "DeviceOOMError"]
 __version__ = "0.1.0"

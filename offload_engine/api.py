@@ -19,7 +19,7 @@ import torch
 
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
-from .errors import ConfigError, EngineBusyError, EngineClosedError
+from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
@@ -73,11 +73,13 @@ class Engine:
              dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
              direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
              allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
-             spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
+             stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
              draft_model: str | os.PathLike | None = None, draft_budget: Budget | None = None) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
         the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
+        `stall_timeout`: seconds without any read making progress before a request fails with IOStallError
+        (default 60, or OFFLOAD_ENGINE_STALL_TIMEOUT).
 
         spec: the default speculative mode of requests ("off", "auto", "ngram", "mtp", "draft", "self");
         "auto" and "mtp" load the checkpoint's MTP layers as `mtp` units; spec_depth / spec_width fix the draft
@@ -100,7 +102,8 @@ class Engine:
         itemsize = torch.empty((), dtype=compute_dtype).element_size()
         kv_bytes = _kv_bytes(checkpoint, ops, itemsize, context)
         placement, use_direct = plan_for(checkpoint, resolved, dev, kv_bytes, direct_io)
-        store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn)
+        store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn,
+                            stall_timeout=stall_timeout)
         draft = None
         try:
             model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM)
@@ -205,7 +208,12 @@ class Engine:
             stepper = make_stepper(self.model, cache, Sampler(params), mode, depth=depth, width=width, draft=draft,
                                    store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
-            for event in drive(stepper, ids, GenerationState(params, self.tokenizer)):
+            events = drive(stepper, ids, GenerationState(params, self.tokenizer))
+            while True:
+                with out_of_memory_as_error("request"):  # the MTP / draft forwards too: this request fails only
+                    event = next(events, None)
+                if event is None:
+                    break
                 if isinstance(event, FinishEvent):
                     event.stats = {**self.stats(event, before), **_spec_summary(mode, spec_stats, event)}
                 yield event
@@ -225,7 +233,7 @@ class Engine:
         ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long)
         if ids.numel() == 0:
             raise ConfigError("logits(): token_ids is empty")
-        with self._request():
+        with self._request(), out_of_memory_as_error("logits"):
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
     def stats(self, finish: FinishEvent, before: dict | None = None) -> dict[str, Any]:
@@ -269,7 +277,9 @@ def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int
     total = tokens * per_token + ops.state_bytes(itemsize, rollback=ROLLBACK)
     mtp_layers = mtp_layer_count(checkpoint)
     if mtp_layers:
-        total += mtp_layers * (tokens + MAX_DEPTH + 1) * -(-per_token // checkpoint.spec.num_layers)
+        one = getattr(ops, "layer_kv_bytes_per_token", None)  # hybrids: only full-attention layers hold KV
+        per_layer = one(itemsize) if one else -(-per_token // checkpoint.spec.num_layers)
+        total += mtp_layers * (tokens + MAX_DEPTH + 1) * per_layer
     return total
 
 

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
     run.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
     run.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
+    run.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                     help="fail a request when no checkpoint read makes progress for this long (default 60)")
     run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -102,7 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     with Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
                      max_context=args.context, policy=args.policy, direct_io=args.direct_io,
-                     allow_cast=args.allow_cast, progress=_progress(args), spec=args.spec,
+                     allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
+                     spec=args.spec,
                      spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
                      draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram)) as engine:
         if args.show_plan:
@@ -110,12 +113,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
         finish = None
+        # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
+        bar = _token_bar(args.max_new_tokens) if args.json and not args.quiet and sys.stderr.isatty() else None
         for event in engine.stream(args.prompt, chat=args.chat, **sampling):
             if isinstance(event, FinishEvent):
                 finish = event
+            elif bar is not None:
+                bar.update(1)
             elif not args.json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+        if bar is not None:
+            bar.close()
         assert finish is not None
         stats = finish.stats
         if args.json:
@@ -126,6 +135,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.stats:
                 print(format_stats(stats), file=sys.stderr)
     return 0
+
+
+def _token_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False)
 
 
 def format_stats(stats: dict[str, Any]) -> str:
@@ -145,8 +160,9 @@ def format_stats(stats: dict[str, Any]) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint.model import open_model
     from .planner.sizes import param_counts
+    from .runtime.mtp import attach_mtp_units
 
-    ck = open_model(args.model)
+    ck = attach_mtp_units(open_model(args.model))  # MTP layers counted as such, not listed as unused tensors
     counts = param_counts(ck.schema, ck.spec.num_experts_per_tok)
     report = {
         "path": str(ck.root),

@@ -17,6 +17,18 @@ ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepse
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Test models are tiny: on a 2-core CI box shared with the reader threads, extra intra-op threads mostly
+    spin (a small matmul ran ~200x slower with 2 threads under load). One thread for the whole suite."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
     """checkpoint_factory(arch, preset="tiny", **options) -> folder, built once per session per options."""

@@ -6,6 +6,7 @@ allocated in proportion to a declared size, and every error names the file and t
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -76,24 +77,34 @@ def _header_cap() -> int:
         raise ConfigError(f"OFFLOAD_ENGINE_HEADER_CAP must be a number of bytes, found {raw!r}") from None
 
 
-def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
-    """Open read-only without blocking (a FIFO must not hang the loader) and insist on a regular file."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+def _open_regular(path: Path, what: str) -> tuple[io.FileIO, os.stat_result]:
+    """Open read-only and insist on a regular file. The type is checked before opening (a FIFO must not hang
+    the loader) and again on the open file. The descriptor is owned by a file object from the moment the C-level
+    open returns: a KeyboardInterrupt landing anywhere in the caller cannot leak it (the object closes it when
+    dropped), which a bare os.open would."""
     try:
-        fd = os.open(path, flags)
+        before = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{what} not found") from None
+    except OSError as e:
+        raise CheckpointError(path, f"cannot stat {what}: {e.strerror}") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointFormatError(path, f"{what} is not a regular file")
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the caller's `with`)
     except FileNotFoundError:
         raise CheckpointError(path, f"{what} not found") from None
     except OSError as e:
         raise CheckpointError(path, f"cannot open {what}: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
+        st = os.fstat(f.fileno())
     except OSError as e:
-        os.close(fd)
+        f.close()
         raise CheckpointError(path, f"cannot stat {what}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
+        f.close()
         raise CheckpointFormatError(path, f"{what} is not a regular file")
-    return fd, st
+    return f, st
 
 
 def _pread_exact(fd: int, path: Path, n: int, offset: int, what: str) -> bytes:
@@ -136,8 +147,9 @@ def _is_int(x: Any) -> bool:
 
 def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
     """Parse and fully validate one safetensors file's header against the file's real size."""
-    fd, st = _open_regular(path, "shard")
-    try:
+    f, st = _open_regular(path, "shard")
+    with f:
+        fd = f.fileno()
         size = st.st_size
         if size < 8:
             raise CheckpointFormatError(path, f"file shorter than the 8-byte header length (size {size} bytes)")
@@ -149,8 +161,6 @@ def read_shard_header(path: Path) -> tuple[ShardInfo, list[TensorRecord]]:
         if 8 + hlen > size:
             raise CheckpointFormatError(path, f"header length beyond the file: declared={hlen}, file_size={size}")
         raw = _pread_exact(fd, path, hlen, 8, "header")
-    finally:
-        os.close(fd)
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     try:
         text = raw.decode("utf-8")
@@ -284,13 +294,11 @@ JSON_CAP = 100 * 1024 * 1024  # config / index files; real ones are a few MB at 
 
 
 def load_json(path: Path, what: str) -> dict:
-    fd, st = _open_regular(path, what)
-    try:
+    f, st = _open_regular(path, what)
+    with f:
         if st.st_size > JSON_CAP:
             raise CheckpointFormatError(path, f"{what} is {st.st_size} bytes, over the {JSON_CAP}-byte cap")
-        raw = _pread_exact(fd, path, st.st_size, 0, what)
-    finally:
-        os.close(fd)
+        raw = _pread_exact(f.fileno(), path, st.st_size, 0, what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

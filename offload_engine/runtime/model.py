@@ -8,7 +8,7 @@ import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
-from ..errors import BudgetError
+from ..errors import BudgetError, out_of_memory_as_error
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .moe import combine, expert_part, routed_experts
@@ -52,7 +52,14 @@ class CausalLM:
         """tokens [T] follow the cache's committed content; mask [T, cache.length + T] for draft trees.
 
         return_hidden: also return the last decoder layer's output before the final norm [T, H] (what MTP
-        heads consume)."""
+        heads consume). An allocator out-of-memory error (KV cache, activations, a weight copy) fails this
+        call with a DeviceOOMError; the cache is not advanced, so the request can be retried or dropped."""
+        with out_of_memory_as_error(f"forward pass on {self.device}"):
+            return self._forward(tokens, cache, positions, mask, last_only, return_hidden)
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None,
+                 mask: torch.Tensor | None, last_only: bool, return_hidden: bool
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         tokens = tokens.to(self.device)
         T = tokens.shape[0]
         if positions is None:

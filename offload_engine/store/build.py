@@ -15,6 +15,7 @@ from .ledger import Ledger
 from .store import ReadFn, TieredStore
 
 READER_THREADS = 4
+STALL_TIMEOUT_S = 60.0
 
 
 def kind_sizes(checkpoint: ModelCheckpoint) -> dict[str, KindSize]:
@@ -26,10 +27,19 @@ def kind_sizes(checkpoint: ModelCheckpoint) -> dict[str, KindSize]:
     return sizes
 
 
-def bounce_bytes(sizes: dict[str, KindSize]) -> int:
-    """O_DIRECT bounce buffer per reader thread: the largest unit plus alignment slack, at most BOUNCE_BYTES."""
+MIN_BOUNCE = 64 * 1024
+STAGING_SHARE = 8  # the O_DIRECT bounce buffers take at most 1/8 of the budget of the tier that holds them
+
+
+def bounce_bytes(sizes: dict[str, KindSize], budget: int | None = None) -> int:
+    """O_DIRECT bounce buffer per reader thread: the largest unit plus alignment slack, at most BOUNCE_BYTES, and
+    with a `budget`, at most its 1/STAGING_SHARE over the readers (never under MIN_BOUNCE): a small budget reads
+    in smaller aligned pieces rather than spending most of itself on staging."""
     largest = max(s.slot_bytes for s in sizes.values())
-    return min(BOUNCE_BYTES, -(-largest // ALIGN) * ALIGN + ALIGN)
+    size = min(BOUNCE_BYTES, -(-largest // ALIGN) * ALIGN + ALIGN)
+    if budget is not None:
+        size = min(size, max(MIN_BOUNCE, budget // (STAGING_SHARE * READER_THREADS) // ALIGN * ALIGN))
+    return size
 
 
 def host_memory_limit() -> int:
@@ -55,7 +65,7 @@ def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.
         use_direct = ram is not None and ram < checkpoint.total_bytes
     elif direct_io not in ("on", "off"):
         raise ConfigError(f"--direct-io must be auto, on or off, got {direct_io!r}")
-    staging = READER_THREADS * bounce_bytes(sizes) if use_direct else 0
+    staging = READER_THREADS * bounce_bytes(sizes, budget.host) if use_direct else 0
     if separate_host:
         compute_budget = budget.device
         if compute_budget is None and device.type == "cuda":
@@ -67,12 +77,29 @@ def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.
     return placement, use_direct
 
 
+def stall_timeout_from_env() -> float:
+    """OFFLOAD_ENGINE_STALL_TIMEOUT: seconds without any read progress before a request fails with an
+    IOStallError (default STALL_TIMEOUT_S; the watchdog measures progress, so slow disks that keep delivering
+    never trip it)."""
+    text = os.environ.get("OFFLOAD_ENGINE_STALL_TIMEOUT")
+    if text is None:
+        return STALL_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also rejects nan
+        raise ConfigError(f"OFFLOAD_ENGINE_STALL_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
                 direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
                 stall_timeout: float | None = None) -> TieredStore:
     ledger = Ledger({t.name: t.budget for t in placement.tiers})
-    timeout = stall_timeout or float(os.environ.get("OFFLOAD_ENGINE_STALL_TIMEOUT", 60))
-    bounce = bounce_bytes(placement.sizes)
+    timeout = stall_timeout or stall_timeout_from_env()
+    staged = max(t.staging_bytes for t in placement.tiers)  # what plan_for charged for the bounce buffers
+    bounce = staged // READER_THREADS or bounce_bytes(placement.sizes)
     return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
                        threads=READER_THREADS, bounce_bytes=bounce, stall_timeout=timeout, read_fn=read_fn,
                        progress=progress)

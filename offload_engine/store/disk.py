@@ -1,14 +1,18 @@
 """Reading a unit's byte ranges from the checkpoint files into a blob, with located errors.
 
 Reads go through os.preadv into the destination buffer (no intermediate copy; the GIL is released during the
-syscall). Every failure is an IOFault naming the shard and the offset; a shard whose identity (device, inode,
-size, mtime) changed since the index was built is reported as changed on disk rather than read.
+syscall). Every failure is an IOFault naming the shard and the offset. A shard whose identity (device, inode,
+size, mtime) differs from the one recorded by the index is reported as changed on disk rather than read, and
+the identity is re-checked after every read, so a shard replaced (os.replace), truncated or rewritten after the
+engine opened it fails every read of it with "shard changed on disk" until the model is re-opened (or the
+original file is put back), instead of serving bytes the index never validated.
 """
 from __future__ import annotations
 
 import errno
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -16,6 +20,9 @@ import torch
 from ..checkpoint.index import ShardInfo
 from ..checkpoint.layout import ReadRange, UnitLayout
 from ..errors import IOFault
+from .readers import reading
+
+READ_CHUNK = 1 << 20  # bytes per buffered read call: progress the stall watchdog can see (~1 ms on NVMe)
 
 
 class ShardFiles:
@@ -25,57 +32,109 @@ class ShardFiles:
         self._info = {s.path: s for s in shards}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._closed = [False]  # shared with the finalizer
+        # dropped without close(): the descriptors are closed when the object is collected
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds, self._lock, self._closed)
 
     def fd(self, path: Path) -> int:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
+                if self._closed[0]:  # a reader that outlived close() must not open (and leak) a descriptor
+                    raise IOFault(path, 0, None, "shard files are closed (the engine was closed)")
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except OSError as e:
                     raise IOFault(path, 0, e.errno, f"cannot open shard: {e.strerror}") from None
-                self._check_identity(path, fd)
+                try:
+                    self.check_fd(path, fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 self._fds[path] = fd
             return fd
 
-    def _check_identity(self, path: Path, fd: int) -> None:
-        st = os.fstat(fd)
-        info = self._info.get(path)
-        if info is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != info.identity:
-            raise IOFault(path, 0, None, "shard changed on disk since it was indexed; re-open the model")
+    def check_fd(self, path: Path, fd: int, offset: int = 0) -> None:
+        """A freshly opened descriptor must be the very file the index validated."""
+        self._raise_if_changed(path, offset, os.fstat(fd), None)
 
-    def recheck(self, path: Path) -> None:
+    def verify(self, path: Path, fd: int, offset: int) -> None:
+        """After a read through `fd`: the open file was not modified or resized, and the path still names it.
+        Two stat calls per read range (microseconds next to the read itself)."""
+        try:
+            st_path = os.stat(path)
+        except OSError:
+            raise IOFault(path, offset, errno.ENOENT, "shard disappeared from disk (deleted or renamed) since it "
+                          "was indexed; re-open the model") from None
+        self._raise_if_changed(path, offset, os.fstat(fd), st_path)
+
+    def recheck(self, path: Path, offset: int = 0) -> None:
         """After a failed read: say so if the file changed under us (replaced, truncated, rewritten)."""
         try:
             st = os.stat(path)
         except OSError:
-            raise IOFault(path, 0, errno.ENOENT, "shard disappeared from disk") from None
+            raise IOFault(path, offset, errno.ENOENT, "shard disappeared from disk (deleted or renamed) since it "
+                          "was indexed; re-open the model") from None
+        self._raise_if_changed(path, offset, st, st)
+
+    def _raise_if_changed(self, path: Path, offset: int, st_open: os.stat_result,
+                          st_path: os.stat_result | None) -> None:
         info = self._info.get(path)
-        if info is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != info.identity:
-            raise IOFault(path, 0, None, "shard changed on disk since it was indexed; re-open the model")
+        if info is None:
+            return
+        dev, ino, size, mtime = info.identity
+        why = []
+        for st in (st_path, st_open):
+            if st is not None and (st.st_dev, st.st_ino) != (dev, ino):
+                why.append(f"replaced (inode {ino} -> {st.st_ino})")
+                break
+        if st_open.st_size != size:
+            why.append(f"size {size} -> {st_open.st_size} bytes")
+        elif st_open.st_mtime_ns != mtime:
+            why.append("modified (mtime changed)")
+        if why:
+            raise IOFault(path, offset, None, f"shard changed on disk since it was indexed: {', '.join(why)}; "
+                          f"re-open the model")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed[0]
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
+        """Idempotent. Reads after close fail (IOFault) rather than reopen the shards."""
+        self._finalizer()
+
+
+def _close_fds(fds: dict[Path, int], lock: threading.Lock, closed: list[bool]) -> None:
+    with lock:
+        closed[0] = True
+        for fd in fds.values():
+            try:
                 os.close(fd)
-            self._fds.clear()
+            except OSError:
+                pass
+        fds.clear()
 
 
 def read_range(files: ShardFiles, r: ReadRange, blob: torch.Tensor) -> None:
-    """Fill blob[r.blob_offset : +r.nbytes] from r.file at r.file_offset, looping over short reads."""
+    """Fill blob[r.blob_offset : +r.nbytes] from r.file at r.file_offset, looping over short reads. At most
+    READ_CHUNK bytes per system call, so the stall watchdog sees a slow disk make progress."""
     view = memoryview(blob.numpy()).cast("B")[r.blob_offset:r.blob_offset + r.nbytes]
     fd, done = files.fd(r.file), 0
     while done < r.nbytes:
+        pos = r.file_offset + done
+        want = min(READ_CHUNK, r.nbytes - done)
         try:
-            n = os.preadv(fd, [view[done:]], r.file_offset + done)
+            with reading(r.file, pos, want):
+                n = os.preadv(fd, [view[done:done + want]], pos)
         except OSError as e:
-            files.recheck(r.file)
-            raise IOFault(r.file, r.file_offset + done, e.errno, e.strerror or str(e)) from None
+            files.recheck(r.file, pos)
+            raise IOFault(r.file, pos, e.errno, e.strerror or str(e)) from None
         if n == 0:
-            files.recheck(r.file)
-            raise IOFault(r.file, r.file_offset + done, None,
-                          f"unexpected end of file: wanted {r.nbytes - done} more bytes")
+            files.recheck(r.file, pos)
+            raise IOFault(r.file, pos, None, f"unexpected end of file: wanted {r.nbytes - done} more bytes")
         done += n
+    files.verify(r.file, fd, r.file_offset)
 
 
 def read_unit(files: ShardFiles, layout: UnitLayout, blob: torch.Tensor) -> None:
@@ -88,35 +147,79 @@ ALIGN = 4096
 BOUNCE_BYTES = 1024 * 1024  # per reader thread, page aligned, charged to the host tier as staging
 
 
-def open_direct(path: Path) -> int | None:
-    """An O_DIRECT descriptor, or None where the filesystem refuses it (tmpfs, some overlays)."""
+def open_direct(path: Path, files: ShardFiles | None = None) -> int | None:
+    """An O_DIRECT descriptor, or None where the filesystem refuses it (tmpfs, some overlays). With `files`, the
+    descriptor is checked against the identity the index recorded (IOFault when the shard changed)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, os.O_RDONLY | flag)
+        fd = os.open(path, os.O_RDONLY | flag)
     except OSError:
         return None
+    if files is not None:
+        try:
+            if files.closed:
+                raise IOFault(path, 0, None, "shard files are closed (the engine was closed)")
+            files.check_fd(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
 
 
-def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryview) -> None:
+def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryview,
+                      files: ShardFiles | None = None) -> None:
     """O_DIRECT: aligned over-reads into a page-aligned bounce buffer, then the wanted bytes into the blob.
-    The page cache is bypassed, so the process's real memory stays within the budget."""
+    The page cache is bypassed, so the process's real memory stays within the budget. With `files`, failures and
+    finished reads are checked against the shard's recorded identity, as in read_range."""
     dst = memoryview(blob.numpy()).cast("B")
     pos, end = r.file_offset, r.file_offset + r.nbytes
+    stuck = 0
     while pos < end:
         start = pos - pos % ALIGN
         want = min(len(bounce), -(-(end - start) // ALIGN) * ALIGN)
         try:
-            n = os.preadv(fd, [bounce[:want]], start)
+            with reading(r.file, start, want):
+                n = os.preadv(fd, [bounce[:want]], start)
         except OSError as e:
+            if files is not None:
+                files.recheck(r.file, start)
             raise IOFault(r.file, start, e.errno, e.strerror or str(e)) from None
-        got = min(start + n, end) - pos
-        if got <= 0:
+        if n == 0:
+            if files is not None:
+                files.recheck(r.file, pos)
+            _raise_if_shorter(fd, r, pos)
             raise IOFault(r.file, pos, None, f"unexpected end of file: wanted {end - pos} more bytes")
+        got = min(start + n, end) - pos
+        if got <= 0:  # a short read that stopped before the wanted byte: read the block again
+            stuck += 1
+            if stuck > 8:
+                raise IOFault(r.file, pos, None, f"short reads make no progress ({n} bytes from offset {start})")
+            continue
+        stuck = 0
         at = r.blob_offset + (pos - r.file_offset)
         dst[at:at + got] = bounce[pos - start:pos - start + got]
         pos += got
+    if files is not None:
+        files.verify(r.file, fd, r.file_offset)
+    else:  # no recorded identity to compare with: at least notice a path that no longer names this file
+        st = os.fstat(fd)
+        try:
+            same = os.path.samestat(st, os.stat(r.file))
+        except OSError:
+            same = False
+        if not same:
+            raise IOFault(r.file, r.file_offset, None, "shard changed on disk since it was opened: replaced or "
+                          "deleted; re-open the model")
+
+
+def _raise_if_shorter(fd: int, r: ReadRange, pos: int) -> None:
+    """End of file inside a range the index validated: the shard shrank after it was indexed."""
+    size = os.fstat(fd).st_size
+    if size < r.file_offset + r.nbytes:
+        raise IOFault(r.file, pos, None, f"shard changed on disk since it was indexed: size now {size} bytes, but "
+                      f"this tensor data ends at byte {r.file_offset + r.nbytes} (truncated?); re-open the model")
 
 
 def drop_cache(fd: int, offset: int, nbytes: int) -> None:

@@ -3,17 +3,23 @@
 acquire(keys) yields resident units first and the others as their reads land, so compute on resident experts
 overlaps the reads of missing ones; acquired units are never evicted until released. Reads run on a reader
 pool (demand before prefetch); a read error reaches the caller as an IOFault naming shard and offset, and the
-store stays usable (the failed slot is emptied, nothing half-read is ever served).
+store stays usable (the failed slot is emptied, nothing half-read is ever served). A read that makes no progress
+for `stall_timeout` seconds surfaces as an IOStallError naming the shard and offset it is stuck at.
+
+A request that fails leaves reads behind (queued or in flight): they are cancelled where they have not started,
+and the slots of the others become evictable (or are emptied) once they finish, so failed requests never shrink
+the cache. A request that finds a unit being read by someone else (a prefetch, an aborted request) and sees that
+read fail reads the unit again itself: it only ever reports faults of its own reads.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -21,14 +27,14 @@ from tqdm.auto import tqdm
 from ..checkpoint.layout import ReadRange
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
-from ..errors import BudgetError
+from ..errors import BudgetError, EngineClosedError
 from ..planner.placement import Placement
 from ..runtime.weights import Weights
 from .disk import BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range, read_range_direct
 from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, choose_victim
-from .readers import DEMAND, PREFETCH, ReaderPool
+from .readers import DEMAND, PREFETCH, ReaderPool, reading
 from .tier import Slot, Tier
 
 ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]
@@ -110,7 +116,7 @@ class TieredStore:
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress) as bar:
             futures = {self.pool.submit(DEMAND, partial(self._read_disk, key, slot), str(key)): key
                        for key, slot in jobs}
-            for fut in _as_completed(futures, self.stall_timeout, self.pool):
+            for fut in _as_completed(futures, self.stall_timeout, self.pool, [str(k) for k, _ in jobs]):
                 fut.result()
                 bar.update(self.checkpoint.layouts[futures[fut]].nbytes)
 
@@ -119,23 +125,30 @@ class TieredStore:
         if slot.blob.device.type == "cuda":
             if self.gds is not None:  # GPUDirect Storage: NVMe straight into the device slot
                 for r in layout.read_ranges():
-                    self.gds.read(r, slot.blob)
+                    with reading(r.file, r.file_offset, r.nbytes):
+                        self.gds.read(r, slot.blob)
                 with self._lock:
                     self.stats.bytes_read_disk += layout.nbytes
             else:
                 self._read_via_host(key, slot)
             return
         for r in layout.read_ranges():
-            if self.direct_io:
-                fd = self._direct_fd(r.file)
-                if fd is not None:
-                    read_range_direct(fd, r, slot.blob, self.pool.bounce())
-                    continue
-            self._read_fn(self.files, r, slot.blob)
-            if self.direct_io:  # O_DIRECT refused by the filesystem: at least drop the pages we read
-                drop_cache(self.files.fd(r.file), r.file_offset, r.nbytes)
+            # the range is recorded around the whole read function too, so a read_fn that blocks before it
+            # reaches the disk is still reported by file and offset (the disk readers record finer ranges)
+            with reading(r.file, r.file_offset, r.nbytes):
+                self._read_range(r, slot.blob)
         with self._lock:
             self.stats.bytes_read_disk += layout.nbytes
+
+    def _read_range(self, r: ReadRange, blob: torch.Tensor) -> None:
+        if self.direct_io:
+            fd = self._direct_fd(r.file)
+            if fd is not None:
+                read_range_direct(fd, r, blob, self.pool.bounce(), self.files)
+                return
+        self._read_fn(self.files, r, blob)
+        if self.direct_io:  # O_DIRECT refused by the filesystem: at least drop the pages we read
+            drop_cache(self.files.fd(r.file), r.file_offset, r.nbytes)
 
     def _read_via_host(self, key: UnitKey, slot: Slot) -> None:
         """CUDA without GPUDirect: disk -> a host slot (cached there when the host tier has room) -> device."""
@@ -149,15 +162,20 @@ class TieredStore:
         """Disk -> a reserved host slot (which keeps the unit cached) -> the compute-tier slot."""
         try:
             self._read_disk(key, host_slot)
+        except BaseException:  # half read: the host slot must not serve this unit to a later request
+            self._drop(self.host, host_slot)
+            raise
+        try:
             self._copy(host_slot, slot, key)
         finally:
             with self._lock:
                 host_slot.loading, host_slot.refs = None, host_slot.refs - 1
 
     def _direct_fd(self, path):
+        """Cached O_DIRECT descriptor (None: refused by the filesystem); checked against the index's identity."""
         with self._lock:
             if path not in self._direct_fds:
-                self._direct_fds[path] = open_direct(path)
+                self._direct_fds[path] = open_direct(path, self.files)
             return self._direct_fds[path]
 
     def _copy(self, src: Slot, dst: Slot, key: UnitKey) -> None:
@@ -208,6 +226,8 @@ class TieredStore:
         """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy."""
         with self._lock:
             pool = tier.pools.get(key.kind, [])
+            for s in pool:
+                self._settle(tier, s)
             free = [s for s in pool if s.key is None]
             slot = free[0] if free else None
             if slot is None:
@@ -226,6 +246,18 @@ class TieredStore:
             slot.loading = Future()  # placeholder until the real future is attached
             tier.resident[key] = slot
             return slot
+
+    def _settle(self, tier: Tier, slot: Slot) -> None:
+        """A read nobody waits for any more (its request failed or stopped early) has finished: a landed unit
+        becomes an ordinary resident (evictable) one, a failed or cancelled one frees its slot. Call with the
+        lock held."""
+        fut = slot.loading
+        if fut is None or slot.refs or not fut.done():
+            return
+        if _failed(fut):
+            self._drop(tier, slot)
+        else:
+            slot.loading = None
 
     def _drop(self, tier: Tier, slot: Slot) -> None:
         with self._lock:
@@ -252,6 +284,9 @@ class TieredStore:
         with self._lock:
             for key in keys:
                 slot = self.compute.resident.get(key)
+                if slot is not None:
+                    self._settle(self.compute, slot)
+                    slot = self.compute.resident.get(key)
                 if slot is not None and slot.loading is None:
                     slot.refs += 1
                     self._touch(slot)
@@ -264,47 +299,85 @@ class TieredStore:
                     waiting.append(key)
         owed = {key for key, _ in ready}  # acquired here, not yet handed to the caller
         inflight: dict[Future, UnitKey] = {}
+        own: set[Future] = set()  # reads this call submitted (the others it found in flight)
+        retried: set[UnitKey] = set()
         try:
             for key, slot in ready:
                 owed.discard(key)
                 yield key, self._views(slot, key)
             while waiting or inflight:
-                self._schedule(waiting, inflight, owed)
+                self._schedule(waiting, inflight, owed, own)
                 if not inflight:
-                    # every free slot is taken by prefetches in flight: wait for one to land (it is then evictable)
-                    busy = self._prefetches_in_flight()
-                    if not busy:
-                        raise BudgetError(self.compute.name, len(waiting), 0,
-                                          hint="every slot is held by units not yet released; release units sooner")
-                    wait(busy, timeout=self.stall_timeout, return_when=FIRST_COMPLETED)
+                    self._wait_for_a_prefetch(waiting)
                     continue
-                start = time.perf_counter()
-                done, _ = wait(list(inflight), timeout=self.stall_timeout, return_when=FIRST_COMPLETED)
-                with self._lock:
-                    self.stats.io_wait_s += time.perf_counter() - start
-                if not done:
-                    raise TimeoutError(f"weight read stalled for {self.stall_timeout:.0f}s; in progress: "
-                                       f"{', '.join(self.pool.in_progress()) or 'nothing'}")
-                for fut in done:
+                for fut in self._wait_any(inflight):
                     key = inflight.pop(fut)
+                    owed.discard(key)
+                    if fut.cancelled() or fut.exception() is not None:
+                        self._read_failed(fut, key, fut in own or key in retried)
+                        retried.add(key)
+                        waiting.append(key)
+                        continue
                     slot = self.compute.resident[key]
-                    if fut.exception() is not None:
-                        self._drop(self.compute, slot)
-                        owed.discard(key)
-                        raise fut.exception()
                     with self._lock:
                         if slot.loading is fut:
                             slot.loading = None
                         self._touch(slot)
-                    owed.discard(key)
                     yield key, self._views(slot, key)
         finally:
-            # the caller stopped early or a read failed: give back what it never received
+            # the caller stopped early or a read failed: give back what it never received, and do not start
+            # reads nobody waits for any more (their slots are emptied; those already running land and settle)
             for fut, key in inflight.items():
                 owed.add(key)
             self._release_quietly(owed)
+            self._cancel_unstarted(fut for fut in inflight if fut in own)
 
-    def _schedule(self, waiting: list[UnitKey], inflight: dict[Future, UnitKey], owed: set[UnitKey]) -> None:
+    def _wait_any(self, inflight: dict[Future, UnitKey]) -> set[Future]:
+        """The reads in `inflight` that finished; an IOStallError once the readers make no progress for the
+        stall timeout."""
+        start = time.perf_counter()
+        try:
+            return self.pool.wait_any(list(inflight), self.stall_timeout, [str(k) for k in inflight.values()])
+        finally:
+            with self._lock:
+                self.stats.io_wait_s += time.perf_counter() - start
+
+    def _wait_for_a_prefetch(self, waiting: list[UnitKey]) -> None:
+        """Every free slot is taken by prefetches in flight: wait for one to land (it is then evictable)."""
+        busy = self._prefetches_in_flight()
+        if not busy:
+            raise BudgetError(self.compute.name, len(waiting), 0,
+                              hint="every slot is held by units not yet released; release units sooner")
+        self.pool.wait_any(busy, self.stall_timeout)
+
+    def _read_failed(self, fut: Future, key: UnitKey, ours: bool) -> None:
+        """A read this request waited on failed. Its own read (or a retry): report the fault, after emptying the
+        slot. A read someone else started (a prefetch, an aborted request): give back the reference; the slot is
+        emptied by _schedule, which then reads the unit again for this request."""
+        with self._lock:
+            slot = self.compute.resident.get(key)
+            if slot is not None and slot.loading is fut:
+                if ours:
+                    self._drop(self.compute, slot)
+                elif slot.refs > 0:
+                    slot.refs -= 1
+        if ours:
+            if fut.cancelled():  # only close() cancels a demand read
+                raise EngineClosedError(f"the weight store was closed while {key} was queued for reading")
+            raise fut.exception()
+
+    def _cancel_unstarted(self, futures: Iterable[Future]) -> None:
+        """Reads queued for a request that ended: cancel those not started, and empty their slots."""
+        cancelled = {fut for fut in futures if fut.cancel()}
+        if not cancelled:
+            return
+        with self._lock:
+            for slot in list(self.compute.resident.values()):
+                if slot.loading in cancelled:
+                    self._settle(self.compute, slot)
+
+    def _schedule(self, waiting: list[UnitKey], inflight: dict[Future, UnitKey], owed: set[UnitKey],
+                  own: set[Future]) -> None:
         with self._lock:
             for key in list(waiting):
                 slot = self.compute.resident.get(key)
@@ -326,6 +399,7 @@ class TieredStore:
                     self.stats.misses[self.compute.name] += 1
                     fut = self.pool.submit(DEMAND, partial(self._fill, key, slot), str(key))
                     slot.loading = fut
+                    own.add(fut)
                 inflight[fut] = key
                 owed.add(key)
                 waiting.remove(key)
@@ -436,11 +510,9 @@ def _done_future() -> Future:
     return f
 
 
-def _as_completed(futures, timeout: float, pool: ReaderPool):
+def _as_completed(futures, timeout: float, pool: ReaderPool, waited_for: list[str]):
     pending = set(futures)
     while pending:
-        done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-        if not done:
-            raise TimeoutError(f"weight read stalled for {timeout:.0f}s; in progress: "
-                               f"{', '.join(pool.in_progress()) or 'nothing'}")
+        done = pool.wait_any(pending, timeout, waited_for)
+        pending -= done
         yield from done

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.naming import UnitKey
+from ..errors import out_of_memory_as_error
 from .ledger import Ledger
 
 
@@ -36,7 +37,12 @@ class Tier:
         pool = self.pools.setdefault(kind, [])
         for _ in range(count):
             ledger.charge(self.name, slot_bytes, f"{kind} slots")
-            blob = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
+            try:
+                with out_of_memory_as_error(f"{self.name} tier ({self.device}): {kind} slot of {slot_bytes} bytes"):
+                    blob = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
+            except BaseException:  # the allocator refused (memory used outside the budget): the charge is void
+                ledger.credit(self.name, slot_bytes, f"{kind} slots")
+                raise
             pool.append(Slot(self.name, kind, len(pool), blob))
 
     def free_all(self, ledger: Ledger) -> None:
