@@ -8,11 +8,12 @@ which every machine has offline.
 
     python tools/make_checkpoint.py --arch qwen3_moe --preset small --out .cache/demo-model
 
-Hybrid archs (qwen3_next, qwen3_5_moe) also get multi-token-prediction tensors (`mtp.*`, one MTP layer), which
-transformers' classes neither build nor load: they are made from a one-layer model of the same config and saved
-under the released names. qwen3_5_moe is written like its releases, a vision-language checkpoint (nested
-`text_config`, `model.language_model.*`, fused experts, a token vision tower); qwen3_5_moe_text is transformers'
-text-only save of the same model (flat config, `model.*`).
+Hybrid archs (qwen3_next, qwen3_5_moe) also get multi-token-prediction tensors (`mtp.*`: one MTP layer as in their
+releases, or `--mtp N`), which transformers' classes neither build nor load: they are made from a one-layer model of
+the same config and saved under the released names; deepseek_v3 gets MTP layers only with `--mtp N`. qwen3_5_moe is
+written like its releases, a vision-language checkpoint (nested `text_config`, `model.language_model.*`, fused
+experts, a token vision tower); qwen3_5_moe_text is transformers' text-only save of the same model (flat config,
+`model.*`).
 """
 from __future__ import annotations
 
@@ -127,8 +128,9 @@ def train_tokenizer(vocab_size: int, texts: list[str] | None = None):
     return _TOKENIZERS[vocab_size]
 
 
-def arch_config(arch: str, p: Preset, vocab: int, eot: int):
-    """The arch's own config class, fed the field names its released hub configs use."""
+def arch_config(arch: str, p: Preset, vocab: int, eot: int, mtp_layers: int = 1):
+    """The arch's own config class, fed the field names its released hub configs use (mtp_layers: hybrids'
+    `mtp_num_hidden_layers`)."""
     import transformers as tf
 
     kw: dict[str, Any] = dict(
@@ -168,18 +170,19 @@ def arch_config(arch: str, p: Preset, vocab: int, eot: int):
             routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=p.hidden // 2, kv_lora_rank=p.hidden // 2,
             qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim)
     if arch in HYBRID_ARCHS:
-        return hybrid_config(arch, p, kw, moe, dense)
+        return hybrid_config(arch, p, kw, moe, dense, mtp_layers)
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + VLM_ARCHS}")
 
 
-def hybrid_config(arch: str, p: Preset, kw: dict[str, Any], moe: dict[str, Any], dense: list[int]):
+def hybrid_config(arch: str, p: Preset, kw: dict[str, Any], moe: dict[str, Any], dense: list[int],
+                  mtp_layers: int = 1):
     """Qwen3-Next / Qwen3.5-MoE: a full-attention layer every few linear ones (as many kinds as the depth allows),
     grouped DeltaNet heads (2 value heads per key head, dv = 2 dk so no shape is ambiguous), 25% partial rotary."""
     import transformers as tf
 
     every = max(2, min(4, p.layers - 1))
     text = dict(kw, **moe, head_dim=p.head_dim, partial_rotary_factor=0.25,
-                shared_expert_intermediate_size=2 * p.moe_intermediate, mtp_num_hidden_layers=1,
+                shared_expert_intermediate_size=2 * p.moe_intermediate, mtp_num_hidden_layers=mtp_layers,
                 layer_types=["full_attention" if (l + 1) % every == 0 else "linear_attention" for l in range(p.layers)],
                 linear_num_key_heads=max(1, p.heads // 2), linear_num_value_heads=2 * max(1, p.heads // 2),
                 linear_key_head_dim=p.head_dim, linear_value_head_dim=2 * p.head_dim, linear_conv_kernel_dim=4)
@@ -193,10 +196,10 @@ def hybrid_config(arch: str, p: Preset, kw: dict[str, Any], moe: dict[str, Any],
     return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
-def build_model(arch: str, p: Preset, vocab: int, eot: int, seed: int, dtype: torch.dtype):
+def build_model(arch: str, p: Preset, vocab: int, eot: int, seed: int, dtype: torch.dtype, mtp_layers: int = 1):
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3_5MoeForConditionalGeneration
 
-    config = arch_config(arch, p, vocab, eot)
+    config = arch_config(arch, p, vocab, eot, mtp_layers)
     torch.manual_seed(seed)  # transformers' _init_weights draws from the global RNG
     if arch in VLM_ARCHS:  # AutoModelForCausalLM would build the text-only class
         model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=dtype).eval()
@@ -329,17 +332,21 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
                     max_shard_size: str | int | None = None, fused_experts: bool | None = None,
-                    force: bool = False, mtp: int = 0) -> Path:
+                    force: bool = False, mtp: int | None = None) -> Path:
     """fused_experts: None writes experts as the arch's releases do (fused for qwen3_5_moe, per expert otherwise).
-    mtp: MTP layers to add in the DeepSeek-V3 naming (deepseek_v3 only)."""
+    mtp: MTP layers, in the arch's released naming (deepseek_v3: model.layers.{L + i}.*; hybrids: mtp.*, and
+    config.json's mtp_num_hidden_layers); None: as the releases (one for hybrids, none for deepseek_v3)."""
     if arch not in ARCHS + VLM_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + VLM_ARCHS}")
     if fused_experts and arch not in MOE_ARCHS + VLM_ARCHS:
         raise ValueError(f"--fused-experts needs an MoE arch {MOE_ARCHS + VLM_ARCHS}, not {arch!r}")
-    if mtp and arch != "deepseek_v3":
-        raise ValueError(f"--mtp N adds DeepSeek-V3-style MTP layers: it needs --arch deepseek_v3, not {arch!r}")
-    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+    if mtp is not None and (not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0):
         raise ValueError(f"--mtp must be an integer >= 0, got {mtp!r}")
+    if mtp and arch != "deepseek_v3" and arch not in HYBRID_ARCHS:
+        raise ValueError(f"--mtp N adds multi-token-prediction layers: it needs --arch deepseek_v3 or one of "
+                         f"{HYBRID_ARCHS}, not {arch!r}")
+    if mtp is None:
+        mtp = 1 if arch in HYBRID_ARCHS else 0
     if fused_experts is None:
         fused_experts = arch in FUSED_RELEASES
     p = PRESETS[preset]
@@ -352,12 +359,14 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
     tok = train_tokenizer(p.vocab)
     eot = tok.token_to_id(EOT)
     steps.update()
-    model = build_model(arch, p, tok.get_vocab_size(), eot, seed, getattr(torch, dtype))
+    model = build_model(arch, p, tok.get_vocab_size(), eot, seed, getattr(torch, dtype), mtp_layers=mtp)
     steps.update()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        extra = mtp_tensors(arch, model, seed) if arch in HYBRID_ARCHS else {}
-        if mtp:
+        extra = {}
+        if arch in HYBRID_ARCHS:  # as many layers as config.json's mtp_num_hidden_layers (= mtp)
+            extra = mtp_tensors(arch, model, seed)
+        elif mtp:
             extra = deepseek_mtp_tensors(model, mtp, seed)
         # save_original_format=False keeps transformers' internal fused expert tensors instead of per-expert ones
         # (the conversion applies to the MTP layer's experts too).
@@ -390,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-shard-size", default=None, help="e.g. 2MB (default: per preset)")
     ap.add_argument("--fused-experts", action="store_true", default=None,
                     help="write experts as fused [E, 2I, H] / [E, H, I] (default: as the arch's releases)")
-    ap.add_argument("--mtp", type=int, default=0, metavar="N",
-                    help="add N multi-token-prediction layers in the DeepSeek-V3 naming (deepseek_v3 only)")
+    ap.add_argument("--mtp", type=int, default=None, metavar="N",
+                    help="N multi-token-prediction layers in the arch's released naming (deepseek_v3, qwen3_next, "
+                         "qwen3_5_moe[_text]; default: as the releases, 1 for the Qwen hybrids, 0 for deepseek_v3)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     a = ap.parse_args(argv)
     try:

@@ -1,21 +1,37 @@
 """Multi-token prediction (MTP) layers shipped in a checkpoint, run through the model's weight source.
 
-Format (DeepSeek-V3 / Kimi K2 / GLM-4.5): `num_nextn_predict_layers` extra layers after the main model; layer
-N + i has enorm, hnorm, eh_proj, shared_head.norm and a full (MoE) decoder block, and shares the main model's
-embedding and head. MTP layer k, at position p, combines the token at p with the previous depth's output at
-p - 1 (depth 0: the main model's final-normed hidden state) and predicts the token at p + 1:
+Two released formats, one computation. MTP layer k (checkpoint layer N + k, N = num_hidden_layers) at position p
+combines the token at p with the previous depth's output at p - 1 (depth 0: the main model's final-normed hidden
+state) and predicts the token at p + 1, sharing the main model's embedding and head:
 
-    x   = eh_proj([enorm(embed(t_p)); hnorm(h_{p-1})])
+    x   = proj([norm_e(embed(t_p)); norm_h(h_{p-1})])      (the embedding first)
     x   = block_k(x)                          (attention over layer k's own cache, MoE feed-forward)
-    o_p = shared_head.norm(x)                 (handed to depth k + 1)
+    o_p = norm_o(x)                           (handed to depth k + 1)
     logits_p = head(o_p)                      (the main model's lm_head, no further norm)
 
-This is transformers' MtpModel / MtpLayer (modeling_layers.py: post_norm = shared_head.norm, embeddings first,
-the main model's `hidden_states[-1]`, i.e. after its final norm) and the DeepSeek-V3 report's eq. 21-23.
+  DeepSeek-V3 / Kimi K2 / GLM-4.5 (arch/deepseek_v3.py): `num_nextn_predict_layers` layers model.layers.{N + k}.*
+  with norm_e / norm_h / proj / norm_o = enorm / hnorm / eh_proj / shared_head.norm and a full MoE decoder block.
+  This is transformers' MtpModel / MtpLayer (modeling_layers.py: post_norm = shared_head.norm, embeddings first,
+  the main model's `hidden_states[-1]`, i.e. after its final norm) and the DeepSeek-V3 report's eq. 21-23.
 
-Units: one `mtp` unit per layer (everything but the routed experts) and `expert` units of layer N + i, added
-to an opened checkpoint by `attach_mtp_units` when the tensors are present (released checkpoints keep
-`num_nextn_predict_layers` in config.json even where converters dropped the tensors).
+  Qwen3-Next / Qwen3.5-MoE (arch/qwen3_next.py): `mtp_num_hidden_layers` layers (Qwen3-Next's config does not
+  say; its releases carry one) under top-level `mtp.*`: pre_fc_norm_embedding / pre_fc_norm_hidden / fc / norm
+  (zero-centred norms) and mtp.layers.{k}.*, a full-attention layer named like a trunk layer (gated attention,
+  MoE with a shared expert). transformers has no module for it; this follows vLLM's qwen3_next_mtp.py and
+  qwen3_5_mtp.py (cat([embedding, hidden]) into fc; the MTP model returns mtp.norm's output, which compute_logits
+  scores and the proposer feeds back as the next step's hidden state; the target's hidden state is its model
+  output, after the final norm).
+
+Rotary positions: an entry is placed at its token's position p (as transformers' MtpModel does); vLLM places it at
+p - 1, the hidden state's. Every entry of a layer's cache moves by the same one, and RoPE scores depend only on
+differences, so both give the same logits.
+
+An architecture supports MTP with `mtp_schema` (the units) and the ops in MTP_OPS; this module runs the block with
+its ordinary per-layer ops (input_norm, attention, post_norm, route, expert, shared_experts at layer N + k).
+
+Units: one `mtp` unit per layer (everything but the routed experts) and `expert` units of layer N + k, added
+to an opened checkpoint by `attach_mtp_units` when the tensors are present (released configs name MTP layers
+even where converters dropped the tensors).
 """
 from __future__ import annotations
 
@@ -48,13 +64,17 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     names = extra.hf_names()
     if not names & set(tensors):
         return checkpoint
+    if not names <= set(tensors):  # MTP experts stored the other way (fused / per expert) than the trunk's
+        other = make(checkpoint.args, fused_experts=not checkpoint.fused_experts)
+        if other.hf_names() <= set(tensors):
+            extra, names = other, other.hf_names()
     for key, specs in extra.units.items():
         for spec in specs.values():
             rec = tensors.get(spec.hf_name)
             if rec is None:
                 raise CheckpointFormatError(
-                    checkpoint.root, f"MTP tensor missing for unit {key} (config.json has num_nextn_predict_layers "
-                                     f"and other MTP tensors are present)", tensor=spec.hf_name)
+                    checkpoint.root, f"MTP tensor missing for unit {key} (config.json names MTP layers and other "
+                                     f"MTP tensors are present)", tensor=spec.hf_name)
             shape = tuple(rec.shape) if spec.index is None else tuple(rec.shape[1:])
             if shape != tuple(spec.shape) or (spec.index is not None and spec.index >= rec.shape[0]):
                 raise CheckpointFormatError(rec.file, f"shape {list(rec.shape)} disagrees with config.json: expected "
@@ -87,7 +107,8 @@ class MtpHead:
         self.count = mtp_layer_count(model.checkpoint)
         if not self.count:
             raise CheckpointFormatError(model.checkpoint.root, "the checkpoint has no MTP layers (config.json "
-                                                               "num_nextn_predict_layers = 0, or no MTP tensors)")
+                                                               "num_nextn_predict_layers / mtp_num_hidden_layers "
+                                                               "= 0, or no MTP tensors)")
         for op in MTP_OPS:
             if not hasattr(self.ops, op):
                 raise CheckpointFormatError(model.checkpoint.root, f"MTP layers are not implemented for "

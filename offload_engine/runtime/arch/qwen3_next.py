@@ -8,8 +8,19 @@ Layers follow `layer_types` (else every `full_attention_interval`-th layer is fu
 Every RMSNorm except the DeltaNet's gated one is zero-centred: x_hat * (1 + weight). MoE layers: softmax top-k
 (`norm_topk_prob`) plus a sigmoid-gated shared expert; `mlp_only_layers` / `decoder_sparse_step` as in Qwen2-MoE.
 
-Multi-token prediction (`mtp.*`: fc, pre_fc_norm_embedding / _hidden, layers.N, norm; the trunk's embedding and
-head are shared) is described by `mtp_schema`, not by `schema`: the runtime's forward does not use it.
+Multi-token prediction (`mtp.*`, top-level names in Qwen3-Next and Qwen3.5 releases alike: fc, pre_fc_norm_embedding
+/ _hidden, layers.{i}, norm; the trunk's embedding and head are shared) is described by `mtp_schema`, not by
+`schema`: runtime/mtp.py adds it to an opened checkpoint and runs it with the `mtp_*` ops below. MTP layer i is
+checkpoint layer N + i (N = num_hidden_layers), a full-attention MoE layer with a shared expert whatever
+`layer_types` / `mlp_only_layers` say (they describe the trunk only). Its forward, as vLLM's qwen3_next_mtp.py /
+qwen3_5_mtp.py run it (transformers has no Qwen MTP module), with every norm zero-centred:
+
+    x = fc([pre_fc_norm_embedding(embed(t_p)); pre_fc_norm_hidden(h_{p-1})])    (the embedding first)
+    x = layer_i(x)                           (gated attention over its own KV cache, MoE + shared expert)
+    o_p = mtp.norm(x)                        (handed to the next depth, as vLLM's proposer chains it)
+    logits_p = lm_head(o_p)                  (the trunk's head, no further norm)
+
+h_{p-1} at depth 0 is the trunk's last hidden state after its final norm (what vLLM's model forward returns).
 qwen3_5_moe.py reuses all of this with Qwen3.5's separate projections and its vision-language wrapper's names.
 """
 from __future__ import annotations
@@ -43,7 +54,8 @@ class HybridArgs(DecoderArgs):
     mtp_layers: int = 0
 
     def is_linear(self, layer: int) -> bool:
-        return self.layer_types[layer] == LINEAR
+        """Layers past the trunk (MTP layers N + i) are full attention."""
+        return layer < len(self.layer_types) and self.layer_types[layer] == LINEAR
 
     @property
     def full_layers(self) -> list[int]:
@@ -217,7 +229,11 @@ class HybridOps(StandardOps):
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """K and V of the full-attention layers only: linear layers keep a fixed-size state instead."""
-        return 2 * self.s.num_kv_heads * self.s.head_dim * len(self.a.full_layers) * itemsize
+        return self.layer_kv_bytes_per_token(itemsize) * len(self.a.full_layers)
+
+    def layer_kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of one full-attention layer (an MTP layer's cache holds this per position)."""
+        return 2 * self.s.num_kv_heads * self.s.head_dim * itemsize
 
     def state_bytes(self, itemsize: int, rollback: int = 0) -> int:
         """Fixed recurrent-state bytes of one sequence (independent of its length): conv states in the compute
@@ -231,6 +247,10 @@ class HybridOps(StandardOps):
 
     def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return F.linear(zero_centered_rms_norm(x, w["norm"], self.s.rms_norm_eps), w["weight"]).float()
+
+    def is_moe(self, layer: int) -> bool:
+        """Trunk layers as configured; MTP layers (N + i) are MoE whenever the model has routed experts."""
+        return layer in self.a.moe_layers or (layer >= self.s.num_layers and self.s.num_experts > 0)
 
     def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return zero_centered_rms_norm(x, w["input_layernorm.weight"], self.s.rms_norm_eps)
@@ -284,6 +304,27 @@ class HybridOps(StandardOps):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return (mixed, z.reshape(T, d.num_v_heads, d.v_head_dim), b.reshape(T, d.num_v_heads),
                 a.reshape(T, d.num_v_heads))
+
+
+    # multi-token prediction (w: one `mtp` unit; see the module docstring)
+    def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """fc([pre_fc_norm_embedding(emb(t_p)); pre_fc_norm_hidden(h_{p-1})]): the embedding first, as vLLM."""
+        eps = self.s.rms_norm_eps
+        joined = torch.cat([zero_centered_rms_norm(embedded, w["pre_fc_norm_embedding.weight"], eps),
+                            zero_centered_rms_norm(hidden, w["pre_fc_norm_hidden.weight"], eps)], dim=-1)
+        return F.linear(joined, w["fc.weight"])
+
+    def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output after mtp.norm: what the shared head scores and the next depth consumes."""
+        return zero_centered_rms_norm(x, w["norm.weight"], self.s.rms_norm_eps)
+
+    def final_norm(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The trunk's final norm (the head unit's `norm`): depth 0 consumes the normalized trunk output."""
+        return zero_centered_rms_norm(x, head["norm"], self.s.rms_norm_eps)
+
+    def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The shared lm_head without the final norm (MTP outputs are already normalized)."""
+        return F.linear(x, head["weight"]).float()
 
 
 ARCH = HybridDecoder("qwen3_next", _args)

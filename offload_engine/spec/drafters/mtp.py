@@ -1,4 +1,5 @@
-"""Drafting with the checkpoint's own multi-token-prediction layers (runtime/mtp.py), chained for depth > 1.
+"""Drafting with the checkpoint's own multi-token-prediction layers (runtime/mtp.py: DeepSeek-V3 and Qwen3-Next /
+Qwen3.5 formats alike), chained for depth > 1.
 
 Layer k's cache holds one entry per position p >= k + 1: (token t_p, previous depth's output at p - 1), the
 previous depth of layer 0 being the target's final-normed hidden state. Entries up to the root's position n
