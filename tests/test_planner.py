@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_engine.config import ResolvedBudget
 from offload_engine.errors import BudgetError, ConfigError
@@ -14,7 +16,7 @@ from offload_engine.planner import costs
 from offload_engine.planner.commands import calibrate, scale_markdown, scale_rows, what_ifs
 from offload_engine.planner.hardware import (HARDWARE_DIR, HardwareProfile, list_profiles, load_profile, probe,
                                              save_profile)
-from offload_engine.planner.placement import KindSize, plan_placement
+from offload_engine.planner.placement import KindSize, Placement, plan_placement
 from offload_engine.planner.plan import PlanOptions, WeightFormat, kind_sizes, load_model_spec, model_shape, plan
 from offload_engine.planner.report import memory_table, plan_json, plan_text
 
@@ -52,6 +54,63 @@ def test_toy_staging_invariant_room_for_the_largest_unit_below():
         if kind not in device.pinned:
             assert device.slots[kind] * size.slot_bytes >= min(2, size.count) * size.slot_bytes
     assert p.home("dense") == "disk" and p.tiers[1].slots == {"dense": 1}  # host: what fits, 50 B
+
+
+def test_toy_cuda_host_staging_exact():
+    """CUDA reads stage through host slots: `host_staging` slots of every kind (one per reader thread, at most the
+    kind's unit count), each the size of the kind's largest unit, are reserved on the host before anything else;
+    kinds pinned on the device keep theirs (their units load through the host too)."""
+    p = plan_placement(TOY, compute_budget=400, host_budget=500, kv_bytes=20, staging_bytes=8, host_staging=4)
+    device, host = p.tiers
+    assert device.slots == {"embed": 1, "head": 1, "dense": 2, "expert": 8} and device.used(TOY) == 400
+    # staging: embed 100 + head 100 + dense 4 x 50 + expert 4 x 10 + 8 bounce = 448; 52 left: dense is whole
+    # already (pinned for free), 5 more expert slots (50 B) fill the rest
+    assert host.staging_slots == {"embed": 1, "head": 1, "dense": 4, "expert": 4}
+    assert host.slots == {"embed": 1, "head": 1, "dense": 4, "expert": 9}
+    assert host.pinned == ["dense"] and host.used(TOY) == 8 + 100 + 100 + 200 + 90 == 498
+    for kind, size in TOY.items():  # the invariant: room on the host for the largest unit of every kind below it
+        assert host.slots[kind] >= min(4, size.count) and p.sizes[kind].slot_bytes == size.slot_bytes
+    assert Placement.from_json(p.to_json()).tiers[1].staging_slots == host.staging_slots
+    assert "reserved as staging" in p.describe()
+
+
+def test_toy_cuda_host_staging_refused_one_byte_short():
+    ok = plan_placement(TOY, compute_budget=400, host_budget=448, kv_bytes=20, staging_bytes=8, host_staging=4)
+    assert ok.tiers[1].used(TOY) == 448 and ok.tiers[1].slots == {"embed": 1, "head": 1, "dense": 4, "expert": 4}
+    with pytest.raises(BudgetError) as e:
+        plan_placement(TOY, compute_budget=400, host_budget=447, kv_bytes=20, staging_bytes=8, host_staging=4)
+    assert e.value.resource == "host" and e.value.required == 448 and e.value.available == 447
+    assert "dense x4=200 B" in str(e.value) and "disk -> host -> device" in str(e.value)
+    # without host staging (the CPU engine reads disk -> compute slot) the same budget is fine
+    cpu = plan_placement(TOY, compute_budget=400, host_budget=100, kv_bytes=20, staging_bytes=8)
+    assert cpu.tiers[1].staging_slots == {} and cpu.tiers[1].slots == {"dense": 1, "expert": 4}
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=st.tuples(st.integers(1, 8), st.integers(1, 64)), unit=st.tuples(*[st.integers(1, 1 << 16)] * 4),
+       compute=st.one_of(st.none(), st.integers(0, 1 << 22)), host=st.one_of(st.none(), st.integers(0, 1 << 22)),
+       kv=st.integers(0, 1 << 16), staging=st.integers(0, 1 << 12), threads=st.integers(1, 4))
+def test_host_staging_invariant_holds_or_is_refused_with_numbers(counts, unit, compute, host, kv, staging, threads):
+    sizes = {"embed": KindSize("embed", 1, unit[0]), "head": KindSize("head", 1, unit[1]),
+             "dense": KindSize("dense", counts[0], unit[2]), "expert": KindSize("expert", counts[1], unit[3])}
+    try:
+        p = plan_placement(sizes, compute, host, kv, staging, host_staging=threads)
+    except BudgetError as e:
+        assert e.required > e.available and e.breakdown
+        return
+    device, tier = p.tiers
+    for kind, size in sizes.items():
+        assert tier.staging_slots[kind] == min(threads, size.count) <= tier.slots[kind]
+        assert p.home(kind) != "disk" or device.slots[kind] >= 1
+    for t in p.tiers:
+        assert t.budget is None or t.used(sizes) <= t.budget
+
+
+def test_toy_host_staging_caps_at_the_unit_count():
+    p = plan_placement(TOY, compute_budget=None, host_budget=None, kv_bytes=0, host_staging=2)
+    device, host = p.tiers
+    assert sorted(device.pinned) == ["dense", "embed", "expert", "head"]
+    assert host.slots == host.staging_slots == {"embed": 1, "head": 1, "dense": 2, "expert": 2}
 
 
 def test_toy_infeasible_budget_names_the_numbers():
@@ -99,11 +158,51 @@ def test_plan_refuses_infeasible_budget_with_numbers():
     assert "device budget too small" in str(e.value) and e.value.available == 512 << 20
 
 
-def test_cuda_plan_needs_a_host_staging_slot_per_streamed_kind():
-    shape = model_shape(load_model_spec("Qwen3-30B-A3B"))
+def test_cuda_plan_reserves_host_staging_for_every_kind(qwen):
+    from offload_engine.store.build import READER_THREADS
+
     with pytest.raises(BudgetError) as e:
-        plan(shape, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # staging fits, one 9 MiB expert does not
-    assert "host" in str(e.value) and "disk -> host -> device" in str(e.value)
+        plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # the 594 MiB embedding's staging slot alone
+    assert e.value.resource == "host" and "disk -> host -> device" in str(e.value)
+    p = plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=4 << 30))
+    host, sizes = p.placement.tiers[1], p.placement.sizes
+    assert host.staging_slots == {k: min(READER_THREADS, s.count) for k, s in sizes.items()}
+    assert all(host.slots[k] >= n for k, n in host.staging_slots.items())
+    assert p.placement.home("embed") == "device" and host.slots["embed"] == 1  # loaded through the host
+    assert memory_table(p)["host"]["staging_slots"] == sum(n * sizes[k].slot_bytes
+                                                           for k, n in host.staging_slots.items())
+    cpu = plan(qwen, CPU, PlanOptions(vram=12 << 30, ram=4 << 30))  # the CPU engine reads into compute slots
+    assert cpu.placement.tiers[1].staging_slots == {}
+
+
+def test_activations_and_cuda_reserve_are_charged(qwen):
+    from offload_engine.planner.plan import DEVICE_RESERVE, HOST_RESERVE, PREFILL_CHUNK, activation_bytes
+
+    prof = load_profile("rtx4070-12gb")
+    p = plan(qwen, prof, PlanOptions(vram=12 << 30, ram=48 << 30, context=4096))
+    act = activation_bytes(qwen, 4096, 2)
+    s = qwen.spec
+    assert act >= PREFILL_CHUNK * s.hidden_size * 2 * 8 + PREFILL_CHUNK * s.vocab_size * 4  # hidden x chunk, logits
+    dev, host = memory_table(p)["device"], memory_table(p)["host"]
+    assert dev["activations"] == act and dev["reserve"] == DEVICE_RESERVE and host["reserve"] == HOST_RESERVE
+    assert dev["total"] == dev["budget_charged"] + act + DEVICE_RESERVE
+    j = plan_json(p)
+    assert j["fit"]["VRAM"] == {"charged": dev["total"], "physical": 12 << 30, "fits": False}
+    assert j["fit"]["RAM"]["fits"] and any("largest --vram that fits" in w for w in p.warnings)
+    largest = (12 << 30) - act - DEVICE_RESERVE
+    q = plan(qwen, prof, PlanOptions(vram=largest, ram=48 << 30, context=4096))
+    fit = plan_json(q)["fit"]["VRAM"]
+    assert fit["fits"] and (12 << 30) - fit["charged"] < q.placement.sizes["expert"].slot_bytes  # filled to a slot
+    default = plan(qwen, prof, PlanOptions(ram=48 << 30, context=4096))  # the default budget leaves the room
+    assert default.placement.compute.budget == largest and not default.warnings
+
+
+def test_cpu_tiers_share_the_ram_in_the_fit(qwen):
+    p = plan(qwen, CPU, PlanOptions(vram=8 << 30, ram=16 << 30, context=1024))
+    (need, have), = p.fit.values()
+    used = sum(t.used(p.placement.sizes) for t in p.placement.tiers)
+    assert list(p.fit) == ["RAM"] and have == CPU.ram_bytes
+    assert need == used + p.activations["host"] + p.reserve["host"] and "device" not in p.activations
 
 
 # ---- cost model ------------------------------------------------------------------------------------------------
@@ -179,8 +278,10 @@ def test_plan_json_has_the_issue_fields(qwen):
     p = plan(qwen, load_profile("rtx4070-12gb"), PlanOptions(vram=10 << 30, ram=24 << 30, context=8192))
     j = plan_json(p, what_ifs(p))
     for key in ("params_total", "params_active", "bytes_total", "placement", "memory", "predicted_tok_s",
-                "bottleneck", "what_ifs", "assumptions"):
+                "bottleneck", "what_ifs", "assumptions", "params_active_by_convention", "fit"):
         assert key in j
+    assert j["params_active_convention"] == "with_embedding_and_head"
+    assert j["params_active_by_convention"]["with_embedding_and_head"] == j["params_active"] == 3_353_032_704
     t = j["predicted_tok_s"]
     assert 0 < t["no_hits"] <= t["expected"] <= t["all_hits"]
     mem = j["memory"]["device"]
@@ -296,6 +397,27 @@ def test_calibrate_against_a_bench_json(checkpoint_factory):
     assert [r["budget_pct"] for r in rows] == [None, 100, 25]
     assert rows[2]["predicted_tok_s"] < rows[1]["predicted_tok_s"]
     assert 0 <= rows[2]["expert_hit_rate"] <= 1 and "resident" in table and "25%" in table
+
+
+def test_calibrate_tool_runs_the_engine_and_compares(checkpoint_factory, tmp_path, capsys):
+    import importlib.util
+
+    model = checkpoint_factory("qwen3_moe", "offload")
+    prof = save_profile(CPU, tmp_path / "cpu.json")
+    spec = importlib.util.spec_from_file_location("calibrate_tool", ROOT / "tools" / "calibrate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "calibration.json"
+    code = tool.main(["--model", str(model), "--hardware", str(prof), "--budgets", "100,30", "--tokens", "2",
+                      "--json", str(out), "--markdown", "--work-dir", str(tmp_path)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["budget_pct"] for r in result["rows"]] == [100, 30] and result["tier"] == "ram"
+    for row, run in zip(result["rows"], result["engine"]):
+        assert run["direct_io"] and run["decode_steps"] == 2 and row["measured_tok_s"] == run["tok_s"]
+        assert row["ratio"] == pytest.approx(row["predicted_tok_s"] / row["measured_tok_s"])
+        assert row["within_25pct"] == (abs(row["ratio"] - 1) <= 0.25)
+    assert "| 30% |" in capsys.readouterr().out
 
 
 def test_scale_table_row():

@@ -3,6 +3,7 @@
 
     python tools/plan.py --model Qwen3-30B-A3B --vram 12GiB --ram 64GiB --context 8192
     python tools/plan.py --calibrate bench-out/bench.json [--hardware FILE]   # predicted vs measured decode tok/s
+    (tools/calibrate.py does it all in one command: probe, bench checkpoint, engine at 100/25/10%, this comparison)
     python tools/plan.py --scale-table                                        # the table in docs/SCALE.md
 
 --calibrate reads a tools/bench.py JSON (rows[*].budget_pct, rows[*].engine.tok_s or .decode_tok_s, and

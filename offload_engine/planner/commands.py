@@ -198,8 +198,9 @@ def what_ifs(base: Plan) -> list[WhatIf]:
         tried = None
         for step in BUDGET_STEPS:
             new = int(t.budget * step)
-            physical = {"ram_bytes": max(prof.ram_bytes, new + base.reserve["host"])} if tier == "host" else \
-                {"vram_bytes": max(prof.vram_bytes, new + base.reserve["device"])}
+            extra = base.reserve[tier] + base.activations.get(tier, 0)  # a machine with the memory to match
+            physical = {"ram_bytes": max(prof.ram_bytes, new + extra)} if tier == "host" else \
+                {"vram_bytes": max(prof.vram_bytes, new + extra)}
             tried = attempt(f"{label} {format_bytes(t.budget)} -> {format_bytes(new)}", prof.with_changes(**physical),
                             **({"ram": new, "vram": base.placement.compute.budget if base.separate_host else None}
                                if tier == "host" else {"vram": new, "ram": host.budget}))
@@ -289,13 +290,20 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
         pct = run.get("budget_pct")
         measured = run.get("decode_tok_s", run.get("tok_s"))
         recall = (run.get("prefetch") or {}).get("recall") or 0.0  # the prefetcher's measured recall
-        opts = PlanOptions(ram=None if pct is None else int(total * pct / 100), context=prompt + tokens + 8,
-                           position=prompt + tokens // 2, alpha=alpha, recall=recall,
-                           direct_io="auto" if pct is None or pct >= 100 else "on")
+        # as the run: its direct I/O when it says (tools/calibrate.py, bench's EngineRun), else bench's rule
+        direct = run.get("direct_io")
+        direct_io = ("on" if direct else "off") if direct is not None else (
+            "auto" if pct is None or pct >= 100 else "on")
+        budget = None if pct is None else int(total * pct / 100)  # as Budget("PCT%").resolve
+        # the budgeted tier: RAM (bench, the CPU engine) or VRAM (tools/calibrate.py on CUDA; RAM unlimited)
+        tiers = {"vram": budget, "ram": 10 * total} if run.get("tier") == "vram" else {"ram": budget}
+        opts = PlanOptions(**tiers, context=prompt + tokens + 8, position=prompt + tokens // 2, alpha=alpha,
+                           recall=recall, direct_io=direct_io)
         if pct is None:
             opts = PlanOptions(ram=10 * total, context=opts.context, position=opts.position, alpha=alpha)
         base = plan(shape, profile, opts)
         row = {"budget_pct": pct, "measured_tok_s": measured, "predicted_tok_s": base.expected,
+               "ratio": base.expected / measured if measured else None,
                "bottleneck": base.steps["expected"].bottleneck, "hit_rate_measured": run.get("hit_rate"),
                "others_cpu": run.get("others_cpu"), "disk_mb_measured": _mb(run.get("bytes_read_disk_per_token")),
                "disk_mb_predicted": _mb(base.steps["expected"].bytes_disk)}
@@ -304,16 +312,18 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
             with_hits = plan(shape, profile, PlanOptions(**{**opts.__dict__, "stats": {"expert_hit_rate": hit}}))
             row.update(expert_hit_rate=hit, predicted_with_measured_hits=with_hits.expected,
                        disk_mb_predicted_with_hits=_mb(with_hits.steps["expected"].bytes_disk))
+        row["within_25pct"] = row["ratio"] is not None and abs(row["ratio"] - 1) <= CALIBRATION_TOLERANCE
         rows.append(row)
     lines = [f"calibration: {model} on {profile.name} (alpha {alpha:g} for the locality prediction)",
-             f"{'budget':>8} {'measured':>10} {'predicted':>10} {'error':>8} {'w/ hits':>10} {'error':>8} "
-             f"{'others':>7} {'disk MB/token: measured / predicted / w/ hits':>46}  bottleneck"]
+             f"{'budget':>8} {'measured':>10} {'predicted':>10} {'error':>8} {'ratio':>6} {'w/ hits':>10} "
+             f"{'error':>8} {'others':>7} {'disk MB/token: measured / predicted / w/ hits':>46}  bottleneck"]
     for r in rows:
         m = r["measured_tok_s"]
         err = lambda x: f"{100 * (x - m) / m:+7.1f}%" if m and x is not None else "       -"  # noqa: E731
         w = r.get("predicted_with_measured_hits")
         label = "resident" if r["budget_pct"] is None else f"{r['budget_pct']:g}%"
-        lines.append(f"{label:>8} {m or 0:>10.2f} {r['predicted_tok_s']:>10.2f} {err(r['predicted_tok_s'])} "
+        ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else "     -"
+        lines.append(f"{label:>8} {m or 0:>10.2f} {r['predicted_tok_s']:>10.2f} {err(r['predicted_tok_s'])} {ratio} "
                      f"{w if w is not None else float('nan'):>10.2f} {err(w)} {_others(r['others_cpu'])} "
                      f"{_fmt(r['disk_mb_measured']):>22} / {_fmt(r['disk_mb_predicted']):>8} / "
                      f"{_fmt(r.get('disk_mb_predicted_with_hits')):>8}  {r['bottleneck']}")
@@ -324,6 +334,7 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
 
 
 CONTENDED = 0.25  # cores used by other processes during a bench run (bench's others_cpu)
+CALIBRATION_TOLERANCE = 0.25  # the check: predicted decode tok/s within +-25% of the measured engine
 
 
 def _mb(x: float | None) -> float | None:

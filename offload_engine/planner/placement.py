@@ -7,6 +7,13 @@ slot size (its largest unit), so slots are allocated once and any unit of the ki
 Order of preference on each tier: the KV cache (compute tier only), then whole kinds that every token needs
 (dense layers, head, embeddings: pinned when all of a kind fits), then expert cache slots with what is left.
 A kind that is not pinned anywhere streams through a small number of slots on the compute tier.
+
+The staging invariant (accelerate's): each tier keeps room for the largest unit of the tier below. The compute
+tier's minimum working set (MIN_STREAM_SLOTS of every kind it does not pin) holds it for units coming from the
+host or the disk. When reads pass through the host on their way to the compute tier (CUDA without GPUDirect
+Storage: disk -> pinned host slot -> device, store._read_via_host, pinned device units included when they are
+loaded), `host_staging` slots of every kind are reserved on the host before anything else is placed there: one
+per reader thread, so no concurrent read finds every host slot of its kind busy.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ class TierPlan:
     pinned: list[str] = field(default_factory=list)  # kinds held whole on this tier
     slots: dict[str, int] = field(default_factory=dict)  # kind -> cache slots (pinned kinds: one per unit)
     kv_bytes: int = 0
-    staging_bytes: int = 0
+    staging_bytes: int = 0  # O_DIRECT bounce buffers
+    staging_slots: dict[str, int] = field(default_factory=dict)  # kind -> slots reserved for reads from below
 
     def slot_bytes(self, sizes: dict[str, KindSize]) -> int:
         return sum(n * sizes[k].slot_bytes for k, n in self.slots.items())
@@ -74,6 +82,10 @@ class Placement:
         for kind, size in self.sizes.items():
             if self.home(kind) == "disk" and self.compute.slots.get(kind, 0) < 1:
                 raise BudgetError(self.compute.name, size.slot_bytes, 0, {f"{kind} slot": size.slot_bytes})
+            for t in self.tiers:
+                if t.slots.get(kind, 0) < t.staging_slots.get(kind, 0):
+                    raise BudgetError(t.name, t.staging_slots[kind] * size.slot_bytes,
+                                      t.slots.get(kind, 0) * size.slot_bytes, {f"{kind} staging": size.slot_bytes})
 
     def breakdown(self, t: TierPlan) -> dict[str, int]:
         out = {f"{k} x{n}": n * self.sizes[k].slot_bytes for k, n in t.slots.items() if n}
@@ -91,6 +103,8 @@ class Placement:
             for kind, n in t.slots.items():
                 size = self.sizes[kind]
                 what = "pinned" if kind in t.pinned else f"cache {100 * n / max(size.count, 1):.0f}% of {kind} units"
+                if t.staging_slots.get(kind):
+                    what += f", {t.staging_slots[kind]} reserved as staging"
                 lines.append(f"  {kind:<7} {n:>5} x {format_bytes(size.slot_bytes):>11}  {what}")
             if t.kv_bytes:
                 lines.append(f"  kv cache        {format_bytes(t.kv_bytes):>11}")
@@ -102,8 +116,11 @@ class Placement:
 
 
 def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_budget: int | None,
-                   kv_bytes: int, staging_bytes: int = 0, separate_host: bool = True) -> Placement:
-    """separate_host=False: one RAM tier (CPU without --vram): compute reads the host tier directly."""
+                   kv_bytes: int, staging_bytes: int = 0, separate_host: bool = True,
+                   host_staging: int = 0) -> Placement:
+    """separate_host=False: one RAM tier (CPU without --vram): compute reads the host tier directly.
+    host_staging: host slots reserved per kind (at most its unit count) for reads that pass through the host
+    (CUDA: store.build.READER_THREADS); 0: reads land in compute-tier slots directly (CPU)."""
     compute = TierPlan("device" if separate_host else "host", compute_budget, kv_bytes=kv_bytes)
     tiers = [compute]
     if separate_host:
@@ -111,7 +128,6 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
     else:
         compute.staging_bytes = staging_bytes
     placement = Placement(sizes, tiers)
-
     # The minimum working set: stream slots for every kind on the compute tier.
     minimum = {k: MIN_STREAM_SLOTS[k] if s.count > 1 else 1 for k, s in sizes.items() if s.count}
     compute.slots = dict(minimum)
@@ -119,6 +135,15 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
     if compute.budget is not None and need > compute.budget:
         raise BudgetError(compute.name, need, compute.budget, placement.breakdown(compute),
                           hint="the minimum working set: streaming slots for each unit kind, the KV cache, staging")
+    if separate_host and host_staging > 0:
+        host = tiers[1]
+        host.staging_slots = {k: min(host_staging, s.count) for k, s in sizes.items() if s.count}
+        host.slots = dict(host.staging_slots)
+        need = host.used(sizes)
+        if host.budget is not None and need > host.budget:
+            raise BudgetError("host", need, host.budget, placement.breakdown(host),
+                              hint=f"reads go disk -> host -> device: the host keeps {host_staging} staging slots "
+                                   f"of each unit kind (one per reader thread) and the O_DIRECT buffers")
 
     for tier in tiers:
         free = None if tier.budget is None else tier.budget - tier.used(sizes)

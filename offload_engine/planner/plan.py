@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ..checkpoint.hf_config import ModelSpec, parse_config
 from ..checkpoint.naming import ModelSchema, TensorSpec, UnitKey
-from ..errors import BudgetError, ConfigError
+from ..errors import ConfigError
 from . import costs
 from .hardware import HardwareProfile
 from .placement import KindSize, Placement, plan_placement
@@ -30,7 +30,10 @@ FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0 + 32 / (128 
 DTYPE_BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
 QUANT_BITS = {"fp8": FORMAT_BITS["fp8"], "mxfp4": 4.25}  # released checkpoints' quantization_config
 PLANNING_ONLY = ("gpt_oss",)
-DEVICE_RESERVE = int(0.75 * 2**30)  # CUDA context, cuBLAS workspace, allocator slack: outside the budget
+# Charged in the memory table, outside the engine's ledger (--vram / --ram budget the store's slots, staging and
+# KV cache only): a fixed CUDA context figure (context + cuBLAS workspace + caching-allocator slack; a bare CUDA
+# context alone is 0.3-0.5 GiB on recent drivers), the host process, and the activations (activation_bytes)
+DEVICE_RESERVE = int(0.75 * 2**30)
 HOST_RESERVE = 2 * 2**30  # OS, Python, torch libraries
 PREFILL_CHUNK = 512  # activations are sized for a prompt processed this many tokens at a time
 
@@ -58,10 +61,9 @@ def load_model_spec(name_or_dir: str) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config: {e}") from None
-    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):  # multimodal wrapper (Qwen3.5)
-        text = cfg["text_config"]
-        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text, "model_type": cfg["model_type"]}
-    return parse_config(cfg, path)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: a model config must be a JSON object")
+    return parse_config(cfg, path)  # flattens a vision-language release's text_config (Qwen3.5), as the engine
 
 
 @dataclass
@@ -322,6 +324,7 @@ class Plan:
     spec_info: dict[str, Any] | None
     warnings: list[str]
     params: Any  # sizes.ParamCounts of the main model
+    fit: dict[str, tuple[int, int]] = field(default_factory=dict)  # "VRAM" / "RAM" -> (charged bytes, physical)
 
     @property
     def bytes_total(self) -> int:
@@ -353,26 +356,29 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     kv = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
     act = activation_bytes(shape, o.context, itemsize)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
+    activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
     vram, ram = o.vram, o.ram
     if vram is None and profile.has_gpu:
         vram = max(profile.vram_bytes - reserve["device"] - act, 0)
     if ram is None:
-        ram = max(profile.ram_bytes - reserve["host"] - (0 if profile.has_gpu else act), 0)
+        ram = max(profile.ram_bytes - reserve["host"] - (0 if profile.has_gpu else act + (vram or 0)), 0)
     total = sum(units.values())
     direct = o.direct_io == "on" or (o.direct_io == "auto" and ram < total)
-    staging = READER_THREADS * bounce_bytes(sizes) if direct else 0
+    staging = READER_THREADS * bounce_bytes(sizes, ram) if direct else 0
     if separate_host:
-        placement = plan_placement(sizes, vram, ram, kv, staging, separate_host=True)
-        _check_host_staging(placement, profile)
+        # CUDA reads stage through host slots (store._read_via_host): one per reader thread and kind
+        placement = plan_placement(sizes, vram, ram, kv, staging, separate_host=True,
+                                   host_staging=READER_THREADS if profile.has_gpu else 0)
     else:
         placement = plan_placement(sizes, ram, None, kv, staging, separate_host=False)
-    tiers = {"device": vram if separate_host else None, "host": ram}
-    physical = {"device": profile.vram_bytes, "host": profile.ram_bytes}
-    for t in placement.tiers:
-        need = t.used(sizes) + act * (t is placement.compute) + reserve[t.name]
-        if physical[t.name] and need > physical[t.name]:
-            warnings.append(f"{t.name}: budget {_gib(tiers[t.name] or 0)} + activations + reserve = {_gib(need)} "
-                            f"exceeds the {_gib(physical[t.name])} of {profile.name}")
+    fit = physical_fit(placement, activations, reserve, profile)
+    for memory, (need, have) in fit.items():
+        if need > have:
+            flag = "--vram" if memory == "VRAM" else "--ram"
+            tier = placement.compute if memory == "VRAM" else placement.tiers[-1]
+            largest = have - (need - tier.used(sizes))  # the physical memory less what is charged besides
+            warnings.append(f"{memory}: the budgets + activations + reserve = {_gib(need)} exceed the {_gib(have)} "
+                            f"of {profile.name}; the largest {flag} that fits is {_gib(max(largest, 0))}")
     hits, steps, tok_s = {}, {}, {}
     drafts, accept, info = _spec_setup(shape, o, use_mtp)
     m = 1 + drafts
@@ -389,26 +395,23 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         info.update(accepted_per_step=costs.accepted_per_step(drafts, accept), drafts=drafts, accept=accept)
     if o.host_compute and not profile.has_gpu:
         warnings.append("--host-compute has no effect without a GPU: every unit is computed on the CPU already")
-    return Plan(shape, profile, o, fmt, placement, units, kv, {"device" if separate_host else "host": act},
-                reserve, separate_host, direct, use_mtp, hits, steps, tok_s, info, warnings, shape.params())
+    return Plan(shape, profile, o, fmt, placement, units, kv, activations, reserve, separate_host, direct, use_mtp,
+                hits, steps, tok_s, info, warnings, shape.params(), fit)
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def _check_host_staging(placement: Placement, profile: HardwareProfile) -> None:
-    """CUDA reads go disk -> host slot -> device (store._read_via_host): every kind streamed from disk needs a
-    host slot, the staging invariant for the tier below the host."""
+def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: Mapping[str, int],
+                 profile: HardwareProfile) -> dict[str, tuple[int, int]]:
+    """(bytes charged, physical bytes) per memory: every tier's budgeted use (slots, staging, KV) plus the
+    activations and reserves outside the budgets. On a CPU every tier, the compute pool included, is RAM."""
+    used = {t.name: t.used(placement.sizes) for t in placement.tiers}
     if not profile.has_gpu:
-        return
-    host = placement.tiers[1]
-    free = (host.budget or 0) - host.used(placement.sizes)
-    for kind, size in placement.sizes.items():
-        if placement.home(kind) == "disk" and not host.slots.get(kind) and kind not in placement.compute.pinned:
-            raise BudgetError("host", size.slot_bytes, max(free, 0), {f"one {kind} slot": size.slot_bytes},
-                              hint=f"CUDA reads go disk -> host -> device: the host tier needs a slot for each "
-                                   f"streamed kind ({kind})")
+        return {"RAM": (sum(used.values()) + sum(activations.values()) + reserve["host"], profile.ram_bytes)}
+    return {"VRAM": (used["device"] + activations.get("device", 0) + reserve["device"], profile.vram_bytes),
+            "RAM": (used["host"] + activations.get("host", 0) + reserve["host"], profile.ram_bytes)}
 
 
 def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .commands import WhatIf
 
 SCENARIOS = ("no_hits", "expected", "all_hits")
+ACTIVE_CONVENTION = "with_embedding_and_head"  # of params_active; the others in params_active_by_convention
 
 
 def placement_summary(p: Plan) -> dict[str, Any]:
@@ -22,22 +23,29 @@ def placement_summary(p: Plan) -> dict[str, Any]:
             n = t.slots.get(kind, 0)
             if n:
                 tiers[t.name] = {"slots": n, "pct": round(100 * n / size.count, 2), "pinned": kind in t.pinned,
-                                 "bytes": n * size.slot_bytes}
+                                 "bytes": n * size.slot_bytes, "staging": t.staging_slots.get(kind, 0)}
         out[kind] = {"units": size.count, "slot_bytes": size.slot_bytes, "home": p.placement.home(kind),
                      "tiers": tiers}
     return out
 
 
 def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
+    """Per tier, everything charged to it. The engine's ledger (what --vram / --ram budget): `weights` (slots,
+    `staging_slots` of them reserved for reads from the tier below), `staging` (O_DIRECT bounce buffers) and
+    `kv_cache`, summed in `budget_charged`. Outside the ledger, charged here: `activations` (activation_bytes)
+    and `reserve` (the CUDA context on the device, fixed; the OS and process on the host). `total` is all of it;
+    `physical` the profile's memory (None for a CPU's compute pool: it shares the RAM, see plan_json's "fit")."""
     table = {}
+    sizes = p.placement.sizes
     for t in p.placement.tiers:
-        weights = t.slot_bytes(p.placement.sizes)
         act = p.activations.get(t.name, 0)
         reserve = p.reserve.get(t.name, 0) if (t.name == "host" or p.profile.has_gpu) else 0
-        physical = p.profile.vram_bytes if t.name == "device" and p.profile.has_gpu else p.profile.ram_bytes
-        table[t.name] = {"weights": weights, "staging": t.staging_bytes, "kv_cache": t.kv_bytes,
-                         "budget_charged": t.used(p.placement.sizes), "budget": t.budget, "activations": act,
-                         "reserve": reserve, "total": t.used(p.placement.sizes) + act + reserve,
+        physical = p.profile.vram_bytes if t.name == "device" else p.profile.ram_bytes
+        table[t.name] = {"weights": t.slot_bytes(sizes),
+                         "staging_slots": sum(n * sizes[k].slot_bytes for k, n in t.staging_slots.items()),
+                         "staging": t.staging_bytes, "kv_cache": t.kv_bytes,
+                         "budget_charged": t.used(sizes), "budget": t.budget, "activations": act,
+                         "reserve": reserve, "total": t.used(sizes) + act + reserve,
                          "physical": physical if (t.name == "host" or p.profile.has_gpu) else None}
     return table
 
@@ -54,7 +62,8 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
         "model": {"name": _model_name(p),
                   "model_type": s.model_type, "schema": p.shape.source, "layers": s.num_layers,
                   "experts": s.num_experts, "experts_per_token": s.num_experts_per_tok},
-        "params_total": c.total, "params_active": c.active, "params_mtp": mtp_params,
+        "params_total": c.total, "params_active": c.active, "params_active_convention": ACTIVE_CONVENTION,
+        "params_active_by_convention": c.active_by_convention, "params_mtp": mtp_params,
         "params_other": dict(p.shape.extra_params), "params_by_kind": c.by_kind,
         "weights": p.fmt.name, "bytes_total": p.bytes_total, "bytes_by_kind": bytes_by_kind,
         "bytes_mtp": sum(n for k, n in p.unit_bytes.items() if k in p.shape.mtp.units),
@@ -63,6 +72,7 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
         "direct_io": p.direct_io,
         "placement": {"summary": placement_summary(p), "tiers": [_tier_json(t) for t in p.placement.tiers]},
         "memory": memory_table(p),
+        "fit": {m: {"charged": need, "physical": have, "fits": need <= have} for m, (need, have) in p.fit.items()},
         "predicted_tok_s": {k: round(p.tok_s[k], 4) for k in SCENARIOS},
         "bottleneck": p.steps["expected"].bottleneck,
         "steps": {k: p.steps[k].to_dict() for k in SCENARIOS},
@@ -77,6 +87,12 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
     return out
 
 
+def _conventions(c) -> str:
+    a = c.active_by_convention
+    return (f"embedding and head counted; {a['without_embedding'] / 1e9:.2f} B without the embedding, "
+            f"{a['without_embedding_and_head'] / 1e9:.2f} B without either")
+
+
 def _model_name(p: Plan) -> str:
     path = p.shape.spec.path
     if path is None:
@@ -86,7 +102,7 @@ def _model_name(p: Plan) -> str:
 
 def _tier_json(t) -> dict[str, Any]:
     return {"name": t.name, "budget": t.budget, "pinned": list(t.pinned), "slots": dict(t.slots),
-            "kv_bytes": t.kv_bytes, "staging_bytes": t.staging_bytes}
+            "kv_bytes": t.kv_bytes, "staging_bytes": t.staging_bytes, "staging_slots": dict(t.staging_slots)}
 
 
 def _locality(p: Plan) -> str:
@@ -113,7 +129,8 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     budgets = ", ".join(f"{_tier_label(p, t.name)} {_b(t.budget)}" for t in p.placement.tiers)
     lines = [f"{j['model']['name']} ({s.model_type}, {p.shape.source} schema) on {p.profile.name}: {budgets}, "
              f"context {p.options.context}, weights {p.fmt.name}",
-             f"parameters: {p.params.total / 1e9:.2f} B total, {p.params.active / 1e9:.2f} B active per token"
+             f"parameters: {p.params.total / 1e9:.2f} B total, {p.params.active / 1e9:.2f} B active per token "
+             f"({_conventions(p.params)})"
              + (f", MTP {j['params_mtp'] / 1e9:.2f} B" if j["params_mtp"] else "")
              + "".join(f", {k} {v / 1e9:.2f} B (not run)" for k, v in p.shape.extra_params.items())
              + f"; weights {_b(p.bytes_total)}" + (f" + MTP {_b(j['bytes_mtp'])}" if p.use_mtp else ""),
@@ -122,8 +139,14 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
         where = []
         for tier, t in info["tiers"].items():
             label = _tier_label(p, tier)
-            where.append(f"pinned in {label}" if t["pinned"] else
-                         f"{label} cache {t['slots']} slots ({t['pct']:.1f}%) = {_b(t['bytes'])}")
+            if t["pinned"]:
+                where.append(f"pinned in {label}")
+            elif t["slots"] == t["staging"]:
+                where.append(f"{label} staging {t['slots']} slot{'s' if t['slots'] > 1 else ''} = {_b(t['bytes'])}")
+            else:
+                where.append(f"{label} cache {t['slots']} slots ({t['pct']:.1f}%"
+                             + (f", {t['staging']} of them staging" if t["staging"] else "")
+                             + f") = {_b(t['bytes'])}")
         if info["home"] == "disk":
             where.append("rest streamed from disk")
         lines.append(f"  {kind:<7} {info['units']:>6} x {_b(info['slot_bytes']):>10}  " + "; ".join(where))
@@ -134,12 +157,15 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     mem = j["memory"]
     names = list(mem)
     lines += ["", "memory per tier".ljust(28) + "".join(f"{_tier_label(p, n):>14}" for n in names)]
-    rows = (("weights", "weights"), ("staging", "staging"), (f"KV cache ({p.options.context} tok)", "kv_cache"),
-            ("= charged to the budget", "budget_charged"), ("budget", "budget"),
-            ("activations (not charged)", "activations"), ("reserve (not charged)", "reserve"),
-            ("total", "total"), ("physical", "physical"))
+    rows = (("weights", "weights"), ("  of which staging slots", "staging_slots"), ("staging (O_DIRECT)", "staging"),
+            (f"KV cache ({p.options.context} tok)", "kv_cache"), ("= engine ledger", "budget_charged"),
+            ("  within budget", "budget"), ("activations", "activations"),
+            ("reserve: CUDA ctx | process" if p.profile.has_gpu else "reserve: process", "reserve"),
+            ("= total charged", "total"), ("physical", "physical"))
     for label, key in rows:
         lines.append(f"  {label:<26}" + "".join(f"{_b(mem[n][key]):>14}" for n in names))
+    lines += [f"  {m}: {_b(f['charged'])} charged of {_b(f['physical'])}: {'fits' if f['fits'] else 'DOES NOT FIT'}"
+              for m, f in j["fit"].items()]
     lines += ["", "decode tok/s".ljust(28) + "".join(f"{k:>12}" for k in SCENARIOS),
               "  predicted".ljust(28) + "".join(f"{p.tok_s[k]:>12.2f}" for k in SCENARIOS),
               "  bottleneck".ljust(28) + "   " + " | ".join(p.steps[k].bottleneck for k in SCENARIOS)]
