@@ -2,7 +2,6 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO_MODEL := .cache/demo-model
 
 .PHONY: setup demo test clean
 setup: $(BIN)/.installed
@@ -13,11 +12,10 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-$(DEMO_MODEL)/config.json: $(BIN)/.installed tools/make_checkpoint.py
-	$(BIN)/python tools/make_checkpoint.py --arch qwen3_moe --preset small --out $(DEMO_MODEL) --force
-
-demo: $(DEMO_MODEL)/config.json
-	$(BIN)/offload-engine run --ram 70% --context 512 --prompt "def fibonacci(n):" --max-new-tokens 32 --stats
+# the bundled model (offload_engine/data/demo-model, trained by tools/train_demo.py) within a quarter of its size
+demo: $(BIN)/.installed
+	$(BIN)/offload-engine run --ram 25% --context 512 --spec auto --max-new-tokens 64 --stats \
+	  --prompt "$$(printf 'import json\n\n\ndef read_config(path):\n    """Read a JSON file and return a dict."""')"
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests

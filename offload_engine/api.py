@@ -19,6 +19,7 @@ import torch
 
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
+from .interrupts import finish_despite_interrupts
 from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
@@ -116,11 +117,11 @@ class Engine:
             if draft_model is not None and spec in ("auto", "draft"):
                 draft = _open_draft(draft_model, draft_budget, dev, compute_dtype, context, tokenizer,
                                     model.vocab_size, progress)
-        except BaseException:
-            store.close()
+            return cls(checkpoint, model, tokenizer, store, dev, compute_dtype, context=context, spec=spec,
+                       spec_depth=spec_depth, spec_width=spec_width, draft=draft)
+        except BaseException:  # a Ctrl-C may land anywhere here, the Engine's own __init__ included
+            finish_despite_interrupts(lambda: _close_parts(store, draft))
             raise
-        return cls(checkpoint, model, tokenizer, store, dev, compute_dtype, context=context, spec=spec,
-                   spec_depth=spec_depth, spec_width=spec_width, draft=draft)
 
     @property
     def placement(self) -> Placement:
@@ -136,7 +137,8 @@ class Engine:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._finalizer()
+                self._finalizer.detach()  # closed here, by a rerunnable call (the finalizer runs once)
+                finish_despite_interrupts(lambda: _close_parts(self.store, self.draft))
 
     def __enter__(self) -> "Engine":
         return self

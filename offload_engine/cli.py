@@ -99,41 +99,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
     from .config import Budget
     from .defaults import default_model_path
-    from .spec.decoder import FinishEvent
 
     model = args.model or default_model_path()
-    with Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
-                     max_context=args.context, policy=args.policy, direct_io=args.direct_io,
-                     allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
-                     spec=args.spec,
-                     spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
-                     draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram)) as engine:
-        if args.show_plan:
-            print(engine.placement.describe(), file=sys.stderr)
-        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
-        finish = None
-        # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
-        bar = _token_bar(args.max_new_tokens) if args.json and not args.quiet and sys.stderr.isatty() else None
-        for event in engine.stream(args.prompt, chat=args.chat, **sampling):
-            if isinstance(event, FinishEvent):
-                finish = event
-            elif bar is not None:
-                bar.update(1)
-            elif not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-        if bar is not None:
-            bar.close()
-        assert finish is not None
-        stats = finish.stats
-        if args.json:
-            print(json.dumps({"text": finish.text, "token_ids": finish.token_ids, "finish_reason": finish.reason,
-                              "stats": stats}))
-        else:
-            sys.stdout.write("\n")
-            if args.stats:
-                print(format_stats(stats), file=sys.stderr)
+    # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
+    # between this assignment and the `try`
+    engine = Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
+                         max_context=args.context, policy=args.policy, direct_io=args.direct_io,
+                         allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
+                         spec=args.spec, spec_depth=args.spec_depth, spec_width=args.spec_width,
+                         draft_model=args.draft_model, draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.close()
+
+
+def _generate(engine: Any, args: argparse.Namespace) -> int:
+    from .spec.decoder import FinishEvent
+
+    if args.show_plan:
+        print(engine.placement.describe(), file=sys.stderr)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+    finish = None
+    # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
+    bar = _token_bar(args.max_new_tokens) if args.json and not args.quiet and sys.stderr.isatty() else None
+    for event in engine.stream(args.prompt, chat=args.chat, **sampling):
+        if isinstance(event, FinishEvent):
+            finish = event
+        elif bar is not None:
+            bar.update(1)
+        elif not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    if bar is not None:
+        bar.close()
+    assert finish is not None
+    stats = finish.stats
+    if args.json:
+        print(json.dumps({"text": finish.text, "token_ids": finish.token_ids, "finish_reason": finish.reason,
+                          "stats": stats}))
+    else:
+        sys.stdout.write("\n")
+        if args.stats:
+            print(format_stats(stats), file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,8 @@ def result(tmp_path_factory) -> dict:
                            "--work-dir", str(work), "--json", str(out), "--plot"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "tok/s" in proc.stdout and (work / "bench.png").stat().st_size > 0
+    assert "tok/s" in proc.stdout
+    assert (work / "bench-tok_s.png").stat().st_size > 0 and (work / "bench-bytes.png").stat().st_size > 0
     return json.loads(out.read_text())
 
 
@@ -70,3 +71,24 @@ def test_probe_reads_the_file_and_says_how(tmp_path, monkeypatch):
     assert buffered.method == "buffered + POSIX_FADV_DONTNEED" and buffered.nbytes == direct.nbytes
     assert probe.measure_cpu_matmul_flops(n=64, repeats=1).flops_per_s > 0
     assert probe.measure_memcpy_bandwidth(nbytes=1 << 20, repeats=1).bytes_per_s > 0
+
+
+def test_plots_from_rows(tmp_path):
+    """Both plots from made-up rows (no bench run): engine only, and engine with both peer modes."""
+    from tools.bench import EngineRun, PeerRun, Row, plot_bytes, plot_paths, plot_speed
+
+    def engine(pct, tok_s):
+        return EngineRun(pct, [1], 4, 4 / tok_s, 1 / tok_s, tok_s, 3e6, 2e6, 3e6, 0.5, 0.01, 1.0, 0.0, {}, {},
+                         True, 0.1, bytes_host_to_device_per_token=1e6 if pct == 25 else 0.0)
+
+    def peer(pct, mode):
+        return PeerRun(pct, mode, [1], 4, 8.0, 2.0, 0.5, 5e6 if mode == "bypass" else 0.0, 1.0, 0.0, 9e6, 1e6, 1.0)
+
+    rows = [Row(p, engine(p, t), {m: peer(p, m) for m in ("bypass", "allow")} if p < 100 else {}, 0.1, 2.0, {})
+            for p, t in ((100, 8.0), (25, 3.0))]
+    speed, nbytes = plot_paths("", str(tmp_path / "bench.json"))
+    assert (speed.name, nbytes.name) == ("bench-tok_s.png", "bench-bytes.png")
+    plot_speed(rows, engine(None, 9.0), speed)
+    plot_bytes(rows, nbytes)
+    assert speed.stat().st_size > 0 and nbytes.stat().st_size > 0
+    plot_bytes([Row(25, engine(25, 3.0), {}, 0.1, 2.0, {})], nbytes)  # engine only

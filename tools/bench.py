@@ -7,6 +7,7 @@ token against a physical bound, max(resident compute time, bytes read and used /
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
+    python tools/bench.py --plot                   # also bench-tok_s.png and bench-bytes.png next to the JSON
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class EngineRun:
     direct_io: bool
     open_s: float
     prefetch: dict[str, Any] = field(default_factory=dict)
+    bytes_host_to_device_per_token: float = 0.0  # store counter, decode steps only (0 without a device tier)
 
 
 @dataclass
@@ -178,7 +180,8 @@ def _measured_request(engine: Engine, pct: float | None, prompt: list[int], step
         stall_s_per_token=(after["io_wait_s"] - before["io_wait_s"]) / n, cpu_util=meter.cpu_util,
         others_cpu=meter.others_cpu,
         peak_bytes=stats["peak_bytes"], budget_bytes=stats["budget_bytes"], direct_io=engine.store.direct_io,
-        open_s=open_s, prefetch=stats.get("prefetch") or {})
+        open_s=open_s, prefetch=stats.get("prefetch") or {},
+        bytes_host_to_device_per_token=(after["bytes_host_to_device"] - before["bytes_host_to_device"]) / n)
 
 
 # ---- the peer: transformers + accelerate disk offload -------------------------------------------------------
@@ -377,39 +380,68 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_speed(rows: list[Row], resident: EngineRun, path: Path) -> None:
+    """Decode tok/s against the RAM budget: the engine, accelerate per page-cache mode, the resident reference."""
+    plt = _pyplot()
     x = [r.budget_pct for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(x, [r.engine.tok_s for r in rows], "o-", label="engine (O_DIRECT below 100%)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r.engine.tok_s for r in rows], "o-", label="engine (O_DIRECT below 100%)")
     for mode, label in (("bypass", "accelerate, page cache evicted"), ("allow", "accelerate, page cache allowed")):
-        ys = [r.peers[mode].tok_s if mode in r.peers else None for r in rows]
-        if any(y is not None for y in ys):
-            a.plot(x, ys, "s--", label=label)
-    a.set(xlabel="RAM budget (% of model bytes)", ylabel="decode tok/s", yscale="log", title="decode speed")
-    a.invert_xaxis()
-    a.legend(fontsize=8)
-    series = [("engine: disk -> RAM", [r.engine.bytes_read_disk_per_token / MB for r in rows])]
-    if all("bypass" in r.peers or "allow" in r.peers for r in rows):
-        series.append(("accelerate: disk tier -> RAM (page cache or storage)",
-                       [next(iter(r.peers.values())).bytes_on_disk / MB for r in rows]))
-    for mode in ("bypass", "allow"):
-        if all(mode in r.peers for r in rows):
-            series.append((f"accelerate ({mode}): from storage (/proc/self/io)",
-                           [(r.peers[mode].os_read_bytes_per_token or 0) / MB for r in rows]))
-    width = 0.8 / len(series)
-    for i, (label, ys) in enumerate(series):
-        b.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))], ys, width, label=label)
-    b.set_xticks(range(len(rows)), [f"{r.budget_pct:g}%" for r in rows])
-    b.set(xlabel="RAM budget (% of model bytes)", ylabel="MB per decode token", title="bytes read per token")
-    b.legend(fontsize=8)
+        pts = [(r.budget_pct, r.peers[mode].tok_s) for r in rows if mode in r.peers]
+        if pts:
+            ax.plot(*zip(*pts), "s--", label=label)
+    ax.axhline(resident.tok_s, color="grey", lw=0.8, ls=":", label="engine, every unit resident")
+    ax.set(xlabel="RAM budget (% of model bytes)", ylabel="decode tok/s", yscale="log", title="decode speed")
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_bytes(rows: list[Row], path: Path) -> None:
+    """MB read per decode token by tier, per budget: the engine's disk -> RAM (and RAM -> VRAM when there is a
+    device tier) from its store counters; accelerate's disk tier (its offloaded parameters, reloaded at every
+    forward) and what really came from storage (/proc/self/io) per page-cache mode."""
+    plt = _pyplot()
+    series = [("engine: disk -> RAM", [r.engine.bytes_read_disk_per_token for r in rows])]
+    if any(r.engine.bytes_host_to_device_per_token for r in rows):
+        series.append(("engine: RAM -> VRAM", [r.engine.bytes_host_to_device_per_token for r in rows]))
+    if any(r.peers for r in rows):
+        series.append(("accelerate: disk tier -> RAM", [max([p.bytes_on_disk for p in r.peers.values()], default=0)
+                                                       for r in rows]))
+    for mode in ("bypass", "allow"):
+        if any(mode in r.peers for r in rows):
+            series.append((f"accelerate ({mode}): from storage",
+                           [(r.peers[mode].os_read_bytes_per_token or 0) if mode in r.peers else 0 for r in rows]))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(series)
+    for i, (label, ys) in enumerate(series):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))], [y / MB for y in ys], width,
+               label=label)
+    ax.set_xticks(range(len(rows)), [f"{r.budget_pct:g}%" for r in rows])
+    ax.set(xlabel="RAM budget (% of model bytes)", ylabel="MB per decode token", title="bytes read per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_paths(plot: str, json_path: str) -> tuple[Path, Path]:
+    """--plot PREFIX (default: the JSON path without .json) -> PREFIX-tok_s.png, PREFIX-bytes.png."""
+    prefix = Path(plot) if plot else Path(json_path).with_suffix("")
+    prefix = prefix.with_suffix("") if prefix.suffix == ".png" else prefix
+    return prefix.with_name(prefix.name + "-tok_s.png"), prefix.with_name(prefix.name + "-bytes.png")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -424,7 +456,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peer-page-cache", default="both", choices=("bypass", "allow", "both"))
     ap.add_argument("--work-dir", default="bench-out", help="built checkpoints and the peer's offload folders")
     ap.add_argument("--json", help="results file (default: WORK_DIR/bench.json)")
-    ap.add_argument("--plot", nargs="?", const="", default=None, help="PNG (default: next to the JSON)")
+    ap.add_argument("--plot", nargs="?", const="", default=None, metavar="PREFIX",
+                    help="PNGs PREFIX-tok_s.png (speed against budget) and PREFIX-bytes.png (bytes read per token "
+                         "by tier); default PREFIX: the JSON path without .json")
     ap.add_argument("--probe-mib", type=int, default=512, help="MiB read per O_DIRECT bandwidth sample")
     ap.add_argument("--engine-prefetch", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine's speculative expert prefetch (default: on, as Engine.open)")
@@ -486,9 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot is not None:
-        png = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
-        plot(rows, png)
-        print(f"plot: {png}")
+        speed, nbytes = plot_paths(args.plot, args.json)
+        speed.parent.mkdir(parents=True, exist_ok=True)
+        plot_speed(rows, resident, speed)
+        plot_bytes(rows, nbytes)
+        print(f"plots: {speed} {nbytes}")
     for name, t in result["targets"].items():
         if isinstance(t, dict):
             print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")

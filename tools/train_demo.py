@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Train the bundled demo model: a small DeepSeek-V3-style MoE (MLA, shared expert, 16 routed experts top-2,
+"""Train the bundled demo model: a small DeepSeek-V3-style MoE (MLA, shared expert, 32 routed experts top-2,
 grouped sigmoid routing, one MTP layer trained jointly) on the Python standard library's own source.
 
   python tools/train_demo.py --out offload_engine/data/demo-model        # ~25 min on 2 CPU cores
-  python tools/train_demo.py --eval --out offload_engine/data/demo-model # held-out figures -> model README
+  python tools/train_demo.py --eval --out offload_engine/data/demo-model # held-out figures (~30 s, tools/eval_demo.py)
+
+--eval writes eval.json and the model card README.md into --out: held-out perplexity against a unigram baseline,
+MTP speculative-decoding acceptance (and that its output equals plain decoding), expert-prefetch recall.
 
 Every machine has the training text offline. A fixed set of files (every 20th, sorted) is held out for
 evaluation. Deterministic given --seed: data order, initialization and the number of steps are fixed.
@@ -42,7 +45,7 @@ class TrainConfig:
     layers: int = 4
     heads: int = 4
     dense_intermediate: int = 384
-    experts: int = 16
+    experts: int = 32
     top_k: int = 2
     moe_intermediate: int = 128
     seq_len: int = 128
@@ -189,7 +192,7 @@ def save(out: Path, model, mtp, tok, c: TrainConfig, curve: list) -> None:
     model.save_pretrained(tmp, max_shard_size="100MB")
     weights = load_file(tmp / "model.safetensors")
     weights.update(released_mtp_tensors(model, mtp))
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(split_fused_experts(weights), tmp / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -201,6 +204,26 @@ def save(out: Path, model, mtp, tok, c: TrainConfig, curve: list) -> None:
         shutil.rmtree(out)
     os.replace(tmp, out)
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
+
+
+def split_fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert names, as DeepSeek's released checkpoints have them, for tensors still in transformers'
+    fused form (the MTP layer's: save_pretrained converted only the trunk's): gate_up_proj [E, 2I, H] ->
+    experts.{e}.gate_proj / up_proj [I, H] (gate first), down_proj [E, H, I] -> experts.{e}.down_proj [H, I]."""
+    out = {}
+    for name, t in weights.items():
+        prefix, fused, kind = name.rpartition(".experts.")[0], ".experts." in name, name.rsplit(".", 1)[-1]
+        if fused and kind == "gate_up_proj":
+            gates, ups = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gates[e].contiguous()
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = ups[e].contiguous()
+        elif fused and kind == "down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
 
 
 def plot_curve(curve: list, path: Path) -> None:

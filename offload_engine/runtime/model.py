@@ -1,9 +1,6 @@
 """The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 
 from ..checkpoint.model import ModelCheckpoint
@@ -12,7 +9,7 @@ from ..errors import BudgetError, out_of_memory_as_error
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .moe import combine, expert_part, routed_experts
-from .weights import Weights, WeightSource
+from .weights import Weights, WeightSource, hold
 
 
 class CausalLM:
@@ -37,13 +34,8 @@ class CausalLM:
                               hint="prompt + max_new_tokens exceed the context reserved; pass a larger max_context")
         return KVCache(self.num_layers, max_tokens, self.device)
 
-    @contextmanager
-    def _unit(self, key: UnitKey) -> Iterator[Weights]:
-        (_, w), = self.source.acquire([key])
-        try:
-            yield w
-        finally:
-            self.source.release([key])
+    def _unit(self, key: UnitKey):
+        return hold(self.source, key)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,

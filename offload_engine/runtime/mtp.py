@@ -36,8 +36,6 @@ even where converters dropped the tensors).
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -48,6 +46,7 @@ from ..errors import CheckpointFormatError
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .moe import combine, expert_part, routed_experts
+from .weights import hold
 
 
 def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
@@ -120,13 +119,8 @@ class MtpHead:
         """One layer's cache (MTP layers start at different positions, so each has its own)."""
         return KVCache(self.base + self.count, capacity, self.model.device)  # only its own layer is allocated
 
-    @contextmanager
-    def _unit(self, key: UnitKey) -> Iterator:
-        (_, w), = self.model.source.acquire([key])
-        try:
-            yield w
-        finally:
-            self.model.source.release([key])
+    def _unit(self, key: UnitKey):
+        return hold(self.model.source, key)
 
     @torch.inference_mode()
     def trunk_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ it arrives and calls `release` when done, after which the source may evict them.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
@@ -17,3 +18,22 @@ Weights = Mapping[str, torch.Tensor]
 class WeightSource(Protocol):
     def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]: ...
     def release(self, keys: Sequence[UnitKey]) -> None: ...
+
+
+@contextmanager
+def hold(source: WeightSource, key: UnitKey) -> Iterator[Weights]:
+    """One unit for the duration of a `with` block. Released exactly once whatever interrupts it: a
+    KeyboardInterrupt that lands while `acquire` finishes (after the unit was handed over) or before the block
+    starts would otherwise leak the reference, and the slot could never be evicted again."""
+    units = source.acquire([key])
+    got = False
+    try:
+        _, w = next(units)
+        got = True  # no call between the hand-over and this flag: nothing can interrupt in between
+        yield w
+    finally:
+        try:
+            units.close()  # its own cleanup gives back only what it never handed over
+        finally:
+            if got:
+                source.release([key])

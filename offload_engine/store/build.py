@@ -71,7 +71,10 @@ def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.
         if compute_budget is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             compute_budget = int(free * 0.9)
-        placement = plan_placement(sizes, compute_budget, budget.host, kv_bytes, staging, separate_host=True)
+        # CUDA reads pass through host slots (TieredStore._read_via_host): one per reader thread and kind, so a
+        # read never finds every host slot of its kind taken
+        placement = plan_placement(sizes, compute_budget, budget.host, kv_bytes, staging, separate_host=True,
+                                   host_staging=READER_THREADS if device.type == "cuda" else 0)
     else:
         placement = plan_placement(sizes, budget.host, None, kv_bytes, staging, separate_host=False)
     return placement, use_direct

@@ -102,18 +102,19 @@ class ShardFiles:
 
     def close(self) -> None:
         """Idempotent. Reads after close fail (IOFault) rather than reopen the shards."""
-        self._finalizer()
+        self._finalizer.detach()  # called directly: a rerun after an interrupt must still close what is left
+        _close_fds(self._fds, self._lock, self._closed)
 
 
 def _close_fds(fds: dict[Path, int], lock: threading.Lock, closed: list[bool]) -> None:
     with lock:
         closed[0] = True
-        for fd in fds.values():
+        while fds:  # popped first: never closed twice
+            _, fd = fds.popitem()
             try:
                 os.close(fd)
             except OSError:
                 pass
-        fds.clear()
 
 
 def read_range(files: ShardFiles, r: ReadRange, blob: torch.Tensor) -> None:

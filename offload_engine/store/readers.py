@@ -176,7 +176,10 @@ class ReaderPool:
                 break
             if fut is not None:
                 fut.cancel()
-        self._finalizer()  # wakes idle workers at once
+        # wakes idle workers at once; called directly (not through the spent finalizer) so that a rerun after
+        # an interrupt still wakes them
+        self._finalizer.detach()
+        _wake(self._queue, self._stop, len(self._threads))
         deadline = time.monotonic() + timeout
         for t in self._threads:
             if t.ident is not None:  # started

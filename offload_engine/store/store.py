@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..checkpoint.layout import ReadRange
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
+from ..interrupts import finish_despite_interrupts
 from ..errors import BudgetError, EngineClosedError
 from ..planner.placement import Placement
 from ..runtime.weights import Weights
@@ -99,7 +100,7 @@ class TieredStore:
             self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0)
             self._load_pinned(progress)
         except BaseException:
-            self.close()
+            finish_despite_interrupts(self.close)
             raise
 
     # ---- loading ----------------------------------------------------------------------------------------
@@ -488,10 +489,10 @@ class TieredStore:
         self.files.close()
         if self.gds is not None:
             self.gds.close()
-        for fd in self._direct_fds.values():
+        while self._direct_fds:  # popped first: a rerun after an interrupt never closes a descriptor twice
+            _, fd = self._direct_fds.popitem()
             if fd is not None:
                 os.close(fd)
-        self._direct_fds.clear()
         for plan, tier in zip(self.placement.tiers, self.tiers):
             tier.free_all(self.ledger)
             items = self.ledger.accounts[tier.name].items
