@@ -34,7 +34,7 @@ def reference(deepseek):
 
 
 def test_engine_spec_modes_are_lossless_at_a_quarter_budget(deepseek, reference):
-    with Engine.open(deepseek, budget=Budget(ram="25%"), max_context=256, spec="auto") as engine:
+    with Engine.open(deepseek, budget=Budget(ram="25%"), max_context=256, spec="mtp") as engine:
         assert engine.placement.home("mtp") == engine.placement.compute.name  # MTP units pinned first
         for mode in ("auto", "mtp", "ngram", "self", "off"):
             out = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec=mode)

@@ -26,9 +26,9 @@ PROMPTS = (
 DRAFTERS = ("ngram", "self", "draft", "mtp")
 
 
-def open_engine(path, budget: Budget | None, max_context: int) -> Engine:
-    """spec="auto" loads the checkpoint's MTP layers (as `mtp` units) when it ships them."""
-    return Engine.open(path, budget=budget, max_context=max_context, spec="auto")
+def open_engine(path, budget: Budget | None, max_context: int, spec: str = "auto") -> Engine:
+    """spec="mtp" loads the checkpoint's MTP layers (as `mtp` units) whatever they cost; "auto" only when cheap."""
+    return Engine.open(path, budget=budget, max_context=max_context, spec=spec)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,7 +52,8 @@ def engines(checkpoint_factory):
                              "llama": ("llama", {})}[model]
             preset = "offload" if budget == "25%" else "tiny"
             path = checkpoint_factory(arch, preset, **options)
-            opened[key] = open_engine(path, Budget(ram=budget) if model != "llama" else None, max_context=256)
+            opened[key] = open_engine(path, Budget(ram=budget) if model != "llama" else None, max_context=256,
+                                      spec="mtp" if model == "deepseek" else "auto")
         return opened[key]
 
     yield get

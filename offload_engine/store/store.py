@@ -477,6 +477,19 @@ class TieredStore:
         if keys:
             self.release(list(keys))
 
+    def end_request(self) -> int:
+        """Called once a request is over, when no caller can hold a unit any more: give back compute-tier
+        references still counted (a Ctrl-C landing between a unit's hand-over and the caller's `try` leaks one,
+        and the slot could never be evicted again). Workers never hold compute-tier references. Returns how many."""
+        leaked = 0
+        with self._lock:
+            for pool in self.compute.pools.values():
+                for slot in pool:
+                    if slot.refs:
+                        leaked += slot.refs
+                        slot.refs = 0
+        return leaked
+
     def resident_keys(self, tier: str = "device") -> set[UnitKey]:
         t = self.compute if tier in ("device", self.compute.name) else self.host
         with self._lock:
