@@ -314,6 +314,19 @@ def test_greedy_mtp_output_is_identical_to_plain_decoding(engines, arch, budget)
         assert engine.placement.home("mtp") == engine.placement.compute.name  # MTP units pinned
 
 
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_ngram_and_self_drafts_are_identical_to_plain_decoding(engines, arch, budget):
+    """The hybrids with the other drafters (chains only: recurrent state rewinds by replay)."""
+    engine = engines(arch, budget)
+    plain = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec="off")
+    for drafter in ("ngram", "self"):
+        done = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec=drafter, spec_depth=3,
+                               spec_width=2)
+        assert done.token_ids == plain.token_ids, drafter
+        assert done.stats["spec_steps"] > 0, drafter
+
+
 def test_skipping_the_linear_state_rollback_is_caught(engines, monkeypatch):
     """Rejected drafts are trimmed from the target's cache, which rewinds every DeltaNet layer's state; with the
     rewind skipped (each layer keeps the state it reached after the drafts) the mtp drafter's output changes."""
