@@ -74,8 +74,9 @@ class Engine:
              dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
              direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
              allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
-             stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
-             draft_model: str | os.PathLike | None = None, draft_budget: Budget | None = None) -> "Engine":
+             stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
+             spec_width: int | None = None, draft_model: str | os.PathLike | None = None,
+             draft_budget: Budget | None = None) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
         the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
@@ -83,7 +84,8 @@ class Engine:
         (default 60, or OFFLOAD_ENGINE_STALL_TIMEOUT).
 
         spec: the default speculative mode of requests ("off", "auto", "ngram", "mtp", "draft", "self");
-        "auto" and "mtp" load the checkpoint's MTP layers as `mtp` units; spec_depth / spec_width fix the draft
+        "mtp" loads the checkpoint's MTP layers as `mtp` units, "auto" only where they cost little memory
+        (_with_mtp_units); spec_depth / spec_width fix the draft
         shape (default: the cost model chooses each step). draft_model: a smaller checkpoint with the same
         tokenizer, opened as its own engine within `draft_budget`."""
         budget = budget or Budget()
@@ -199,7 +201,7 @@ class Engine:
             mode, depth, width = _check_spec(spec, spec_depth, spec_width)
         if mode == "mtp" and not mtp_layer_count(self.checkpoint):
             raise ConfigError("spec 'mtp': this engine was opened without the checkpoint's MTP layers; open it with "
-                              "spec='mtp' or spec='auto'")
+                              "spec='mtp' (spec='auto' loads them only where they cost little memory)")
         if len(ids) + params.max_new_tokens > self.context:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the "
                               f"context this engine reserved in its budget ({self.context} tokens): open it with a "

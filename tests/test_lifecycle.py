@@ -32,6 +32,20 @@ FIGURES: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
+def sigint_raises():
+    """interrupt_main() simulates SIGINT, which does nothing where SIGINT is ignored (a background job of a
+    non-interactive shell, some CI runners): install Python's default handler for these tests."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def report_figures(request):
     yield
     tr = request.config.pluginmanager.get_plugin("terminalreporter")
