@@ -29,34 +29,17 @@ from offload_engine.store.build import plan_for
 from offload_engine.store.ledger import Ledger
 from offload_engine.store import tier as tier_mod
 from offload_engine.store.tier import Tier
+from tests.figures import Figures
 
 CASES = int(os.environ.get("OFFLOAD_ENGINE_BUDGET_CASES", 1000))
 MODELS = [("qwen3_moe", "tiny"), ("mixtral", "tiny"), ("deepseek_v3", "tiny"), ("qwen2_moe", "tiny"),
           ("llama", "tiny"), ("qwen3_moe", "offload"), ("mixtral", "offload"), ("deepseek_v3", "offload")]
 CPU = torch.device("cpu")
-FIGURES: dict[str, int] = {}
+FIGURES = Figures("budgets")
+report_figures = FIGURES.fixture()
+tally = FIGURES.tally
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: on a 2-core machine shared with other work, torch's intra-op threads mostly spin
-    against each other (a linear measured 200x slower with 2 threads than with 1). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_figures(request):
-    yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None and FIGURES:
-        tr.write_line("budgets: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
-
-
-def tally(name: str, n: int = 1) -> None:
-    FIGURES[name] = FIGURES.get(name, 0) + n
 
 
 @pytest.fixture(scope="module")

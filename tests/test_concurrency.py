@@ -22,6 +22,7 @@ import torch
 
 from offload_engine import Budget, Engine, EngineClosedError
 from offload_engine.spec.decoder import FinishEvent
+from tests.figures import Figures
 
 N = 8
 ROUNDS = int(os.environ.get("OFFLOAD_ENGINE_CONCURRENCY_ROUNDS", 20))
@@ -32,25 +33,10 @@ PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3, 4, 5, 6, 7, 8], [300, 301, 
            [100, 200, 300, 400], [42] * 6]
 SAMPLING = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=20, seed=7), dict(),
             dict(temperature=0.7, top_p=0.9, seed=3), dict(), dict(temperature=1.2, min_p=0.05, seed=11), dict()]
-FIGURES: dict[str, int] = {}
+FIGURES = Figures("concurrency")
+report_figures = FIGURES.fixture()
+tally = FIGURES.tally
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: on a 2-core machine shared with other work, torch's intra-op threads mostly spin
-    against each other (a linear measured 200x slower with 2 threads than with 1). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_figures(request):
-    yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None and FIGURES:
-        tr.write_line("concurrency: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
 
 
 class ForwardGuard:
@@ -123,9 +109,9 @@ def test_concurrent_requests_are_serialized_and_match_sequential(engine, sequent
                         mismatches.append((rnd, i, how))
     finally:
         engine.model.forward = guard.inner
-    FIGURES["rounds"] = FIGURES.get("rounds", 0) + ROUNDS
-    FIGURES["concurrent_requests"] = FIGURES.get("concurrent_requests", 0) + requests
-    FIGURES["mixed_outputs"] = FIGURES.get("mixed_outputs", 0) + len(mismatches)
+    tally("rounds", ROUNDS)
+    tally("concurrent_requests", requests)
+    tally("mixed_outputs", len(mismatches))
     assert not mismatches, f"{len(mismatches)} results differ from the sequential run: {mismatches[:5]}"
     assert guard.most == 1, f"{guard.most} forwards ran at the same time on one engine"
     assert guard.calls >= ROUNDS * N

@@ -5,21 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from offload_engine import Budget, ConfigError, Engine
 from offload_engine.cli import main
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 NEW = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

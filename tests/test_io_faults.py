@@ -32,35 +32,18 @@ from offload_engine.store import disk
 from offload_engine.errors import IOStallError
 from offload_engine.store.disk import ALIGN, read_range
 from offload_engine.store.readers import ReaderPool, reading
+from tests.figures import Figures
 
 SCALE = float(os.environ.get("OFFLOAD_ENGINE_FAULT_TRIALS", 1))
 CONTEXT = 64
 SURFACE_S = 2.0  # a fault reaches the caller within this long
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [300, 301, 7, 7, 7, 9],
            [64, 128, 33, 2, 77, 101, 9, 200, 14, 15], [400, 12, 13, 250, 250, 1]]
-FIGURES: dict[str, int] = {}
+FIGURES = Figures("io-faults")
+report_figures = FIGURES.fixture()
+tally = FIGURES.tally
 
 
-def tally(name: str, n: int = 1) -> None:
-    FIGURES[name] = FIGURES.get(name, 0) + n
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: on a 2-core machine shared with other work, torch's intra-op threads mostly spin
-    against each other (a linear measured 200x slower with 2 threads than with 1). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_figures(request):
-    yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None and FIGURES:
-        tr.write_line("io-faults: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
 
 
 # ---- injection ------------------------------------------------------------------------------------------------

@@ -22,13 +22,16 @@ import torch
 from offload_engine import Budget, Engine, EngineClosedError, OffloadEngineError
 from offload_engine.spec.decoder import FinishEvent, TokenEvent
 from offload_engine.store.disk import read_range
+from tests.figures import Figures
 
 CONTEXT = 64
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 OTHER = [64, 128, 33, 2, 77, 101, 9, 200, 14, 15]
 NEW = 4
 TRIALS = int(os.environ.get("OFFLOAD_ENGINE_INTERRUPT_TRIALS", 16))
-FIGURES: dict[str, int] = {}
+FIGURES = Figures("lifecycle")
+report_figures = FIGURES.fixture()
+tally = FIGURES.tally
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,16 +48,6 @@ def sigint_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_figures(request):
-    yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None and FIGURES:
-        tr.write_line("lifecycle: " + ", ".join(f"{k}={v}" for k, v in sorted(FIGURES.items())))
-
-
-def tally(name: str, n: int = 1) -> None:
-    FIGURES[name] = FIGURES.get(name, 0) + n
 
 
 def open_fds() -> int:

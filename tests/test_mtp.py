@@ -29,15 +29,6 @@ from tools.make_checkpoint import make_checkpoint  # noqa: E402
 N_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only add contention (and other suites may share the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Pair:
     """Our CausalLM (MTP units attached) and transformers' model + MtpModel on the same checkpoint."""
 

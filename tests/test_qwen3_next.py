@@ -25,15 +25,6 @@ HYBRIDS = ("qwen3_next", "qwen3_5_moe_text")
 PROMPT, NEW, SPLIT = 64, 32, 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their spin-waits cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def prompt_ids(vocab: int, n: int = PROMPT, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

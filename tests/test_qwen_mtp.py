@@ -36,15 +36,6 @@ NEW = 48
 N_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add contention (and other suites may share the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def checkpoint(factory, arch: str, preset: str = "tiny", mtp: int = 1) -> Path:
     return factory(arch, preset, mtp=mtp)
 

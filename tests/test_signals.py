@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.figures import write_line
+
 TRIALS = int(os.environ.get("OFFLOAD_ENGINE_SIGINT_TRIALS", 50))
 EXIT_S = 2.0
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,12 +205,6 @@ def listing(*dirs: Path) -> set[str]:
     return {str(p) for d in dirs for p in d.rglob("*")}
 
 
-def report(request, line: str) -> None:
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line(line)
-
-
 def test_sigint_at_random_moments_exits_130_within_2s(medium, wrapper, tmp_path, request):
     work = tmp_path / "cwd"
     work.mkdir()
@@ -240,9 +236,10 @@ def test_sigint_at_random_moments_exits_130_within_2s(medium, wrapper, tmp_path,
                              round(exit_s, 3)))
     left = listing(medium) - before
     left |= {p for p in listing(work) if not p.endswith(".json")}
-    report(request, f"sigint (forked CLI): {phases['load']} during load, {phases['generation']} during generation, "
-                    f"{phases['finished_first']} finished first, {len(failures)} failures; calibration: load "
-                    f"{calib['open_done'] - calib['start']:.2f}s of {calib['ended'] - calib['start']:.2f}s")
+    write_line(request, f"sigint (forked CLI): {phases['load']} during load, {phases['generation']} during "
+                        f"generation, {phases['finished_first']} finished first, {len(failures)} failures; "
+                        f"calibration: load {calib['open_done'] - calib['start']:.2f}s of "
+                        f"{calib['ended'] - calib['start']:.2f}s")
     assert not failures, failures[:5]
     assert not left, f"files left behind: {sorted(left)[:10]}"
     assert phases["load"] >= TRIALS // 4 and phases["generation"] >= TRIALS // 4, phases
@@ -273,7 +270,7 @@ def test_sigint_to_a_fresh_cli_process(medium, wrapper, tmp_path, phase, request
             proc.kill()
             proc.wait()
     err = proc.stderr.read().decode()
-    report(request, f"sigint (fresh process, {phase}): status {rc}, exit in {exit_s:.2f}s")
+    write_line(request, f"sigint (fresh process, {phase}): status {rc}, exit in {exit_s:.2f}s")
     assert rc == 130, (rc, err[-2000:])
     assert exit_s < EXIT_S, exit_s
     assert "Traceback" not in err and "interrupted" in err, err[-2000:]

@@ -31,15 +31,6 @@ def open_engine(path, budget: Budget | None, max_context: int, spec: str = "auto
     return Engine.open(path, budget=budget, max_context=max_context, spec=spec)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add contention (and other suites may share the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engines(checkpoint_factory):
     """Engines by (model, budget): MoE targets at 25% (expert-heavy `offload` preset) and 100% (`tiny`)."""

@@ -11,15 +11,6 @@ from offload_engine.spec.verifier import node_step, verify
 V = 1000
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only add contention (and other suites may share the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
