@@ -26,8 +26,10 @@ Rotary positions: an entry is placed at its token's position p (as transformers'
 p - 1, the hidden state's. Every entry of a layer's cache moves by the same one, and RoPE scores depend only on
 differences, so both give the same logits.
 
-An architecture supports MTP with `mtp_schema` (the units) and the ops in MTP_OPS; this module runs the block with
-its ordinary per-layer ops (input_norm, attention, post_norm, route, expert, shared_experts at layer N + k).
+An architecture supports MTP with `mtp_schema` (the units, its tensors under the shared local names mtp.embed_norm,
+mtp.hidden_norm, mtp.proj and mtp.out_norm) and the ops in MTP_OPS, which StandardOps implements once for both
+formats with the architecture's own `norm`; this module runs the block with its ordinary per-layer ops
+(input_norm, attention, post_norm, route, expert, shared_experts at layer N + k).
 
 Units: one `mtp` unit per layer (everything but the routed experts) and `expert` units of layer N + k, added
 to an opened checkpoint by `attach_mtp_units` when the tensors are present (released configs name MTP layers

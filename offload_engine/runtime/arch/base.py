@@ -179,8 +179,32 @@ class StandardOps:
     def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, w["weight"])
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The architecture's RMSNorm (zero-centred variants override this)."""
+        return rms_norm(x, weight, self.s.rms_norm_eps)
+
     def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, w["norm"], self.s.rms_norm_eps), w["weight"]).float()
+        return self.head_logits(w, self.final_norm(w, x))
+
+    def final_norm(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The model's final norm (the head unit's `norm`); MTP layers consume the normalized trunk output."""
+        return self.norm(x, head["norm"])
+
+    def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The head without the final norm (MTP outputs are already normalized)."""
+        return F.linear(x, head["weight"]).float()
+
+    # multi-token prediction (w: one `mtp` unit). Local names shared by the formats that have MTP layers (DeepSeek:
+    # enorm, hnorm, eh_proj, shared_head.norm; Qwen: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm); the
+    # formula is the same: the embedding first, then the previous depth's hidden state.
+    def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """proj([embed_norm(emb(t_p)); hidden_norm(h_{p-1})])."""
+        joined = torch.cat([self.norm(embedded, w["mtp.embed_norm"]), self.norm(hidden, w["mtp.hidden_norm"])], -1)
+        return F.linear(joined, w["mtp.proj"])
+
+    def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The block's output after the MTP layer's own norm: what the head scores and the next depth consumes."""
+        return self.norm(x, w["mtp.out_norm"])
 
     def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, w["input_layernorm.weight"], self.s.rms_norm_eps)

@@ -162,9 +162,11 @@ class DeepseekV3Decoder(StandardDecoder):
         for i in range(a.num_nextn_predict_layers):
             layer = s.num_layers + i
             key, p = UnitKey(layer, "mtp"), f"model.layers.{layer}."
-            for local, shape in (("enorm.weight", (H,)), ("hnorm.weight", (H,)), ("eh_proj.weight", (H, 2 * H)),
-                                 ("shared_head.norm.weight", (H,))):
-                schema.add(key, local, TensorSpec(p + local, shape))
+            for local, name, shape in (("mtp.embed_norm", "enorm.weight", (H,)),
+                                       ("mtp.hidden_norm", "hnorm.weight", (H,)),
+                                       ("mtp.proj", "eh_proj.weight", (H, 2 * H)),
+                                       ("mtp.out_norm", "shared_head.norm.weight", (H,))):
+                schema.add(key, local, TensorSpec(p + name, shape))
             _add_block(schema, a, key, layer, bool(s.num_experts), fused_experts)
         return schema
 
@@ -270,25 +272,6 @@ class DeepseekV3Ops(StandardOps):
         if not self.a.n_shared_experts:
             return None
         return gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
-
-    # multi-token prediction (w: one `mtp` unit)
-    def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """h' = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]): the embedding first (DeepSeek-V3 report, eq. 21)."""
-        eps = self.s.rms_norm_eps
-        joined = torch.cat([rms_norm(embedded, w["enorm.weight"], eps), rms_norm(hidden, w["hnorm.weight"], eps)], -1)
-        return F.linear(joined, w["eh_proj.weight"])
-
-    def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The block's output after shared_head.norm: what the shared head scores and the next depth consumes."""
-        return rms_norm(x, w["shared_head.norm.weight"], self.s.rms_norm_eps)
-
-    def final_norm(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The main model's final norm (the head unit's `norm`): MTP consumes the normalized trunk output."""
-        return rms_norm(x, head["norm"], self.s.rms_norm_eps)
-
-    def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The shared head without the final norm (MTP outputs are already normalized)."""
-        return F.linear(x, head["weight"]).float()
 
 
 ARCH = DeepseekV3Decoder("deepseek_v3", _args)

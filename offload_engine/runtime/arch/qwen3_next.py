@@ -10,10 +10,11 @@ Every RMSNorm except the DeltaNet's gated one is zero-centred: x_hat * (1 + weig
 
 Multi-token prediction (`mtp.*`, top-level names in Qwen3-Next and Qwen3.5 releases alike: fc, pre_fc_norm_embedding
 / _hidden, layers.{i}, norm; the trunk's embedding and head are shared) is described by `mtp_schema`, not by
-`schema`: runtime/mtp.py adds it to an opened checkpoint and runs it with the `mtp_*` ops below. MTP layer i is
-checkpoint layer N + i (N = num_hidden_layers), a full-attention MoE layer with a shared expert whatever
-`layer_types` / `mlp_only_layers` say (they describe the trunk only). Its forward, as vLLM's qwen3_next_mtp.py /
-qwen3_5_mtp.py run it (transformers has no Qwen MTP module), with every norm zero-centred:
+`schema`: runtime/mtp.py adds it to an opened checkpoint and runs it with StandardOps' `mtp_*` ops, which use this
+architecture's zero-centred `norm`. MTP layer i is checkpoint layer N + i (N = num_hidden_layers), a
+full-attention MoE layer with a shared expert whatever `layer_types` / `mlp_only_layers` say (they describe the
+trunk only). Its forward, as vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py run it (transformers has no Qwen MTP
+module), with every norm zero-centred:
 
     x = fc([pre_fc_norm_embedding(embed(t_p)); pre_fc_norm_hidden(h_{p-1})])    (the embedding first)
     x = layer_i(x)                           (gated attention over its own KV cache, MoE + shared expert)
@@ -148,9 +149,10 @@ class HybridDecoder(StandardDecoder):
         s, schema, H = a.spec, ModelSchema(), a.spec.hidden_size
         for i in range(a.mtp_layers):
             key = UnitKey(s.num_layers + i, "mtp")
-            schema.add(key, "fc.weight", TensorSpec("mtp.fc.weight", (H, 2 * H)))
-            for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-                schema.add(key, f"{norm}.weight", TensorSpec(f"mtp.{norm}.weight", (H,)))
+            schema.add(key, "mtp.proj", TensorSpec("mtp.fc.weight", (H, 2 * H)))
+            for local, norm in (("mtp.embed_norm", "pre_fc_norm_embedding"), ("mtp.hidden_norm", "pre_fc_norm_hidden"),
+                                ("mtp.out_norm", "norm")):
+                schema.add(key, local, TensorSpec(f"mtp.{norm}.weight", (H,)))
             self._add_layer(schema, a, key, s.num_layers + i, f"mtp.layers.{i}.", False, True, fused_experts)
         return schema
 
@@ -245,8 +247,8 @@ class HybridOps(StandardOps):
             return live
         return 3 * live + n * 3 * rollback * d.log_bytes_per_token(itemsize)
 
-    def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(zero_centered_rms_norm(x, w["norm"], self.s.rms_norm_eps), w["weight"]).float()
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return zero_centered_rms_norm(x, weight, self.s.rms_norm_eps)
 
     def is_moe(self, layer: int) -> bool:
         """Trunk layers as configured; MTP layers (N + i) are MoE whenever the model has routed experts."""
@@ -304,27 +306,6 @@ class HybridOps(StandardOps):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return (mixed, z.reshape(T, d.num_v_heads, d.v_head_dim), b.reshape(T, d.num_v_heads),
                 a.reshape(T, d.num_v_heads))
-
-
-    # multi-token prediction (w: one `mtp` unit; see the module docstring)
-    def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """fc([pre_fc_norm_embedding(emb(t_p)); pre_fc_norm_hidden(h_{p-1})]): the embedding first, as vLLM."""
-        eps = self.s.rms_norm_eps
-        joined = torch.cat([zero_centered_rms_norm(embedded, w["pre_fc_norm_embedding.weight"], eps),
-                            zero_centered_rms_norm(hidden, w["pre_fc_norm_hidden.weight"], eps)], dim=-1)
-        return F.linear(joined, w["fc.weight"])
-
-    def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output after mtp.norm: what the shared head scores and the next depth consumes."""
-        return zero_centered_rms_norm(x, w["norm.weight"], self.s.rms_norm_eps)
-
-    def final_norm(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The trunk's final norm (the head unit's `norm`): depth 0 consumes the normalized trunk output."""
-        return zero_centered_rms_norm(x, head["norm"], self.s.rms_norm_eps)
-
-    def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
-        """The shared lm_head without the final norm (MTP outputs are already normalized)."""
-        return F.linear(x, head["weight"]).float()
 
 
 ARCH = HybridDecoder("qwen3_next", _args)
