@@ -284,15 +284,9 @@ def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int
     """Every byte of per-sequence state one request may hold: the main model's KV for the context plus a draft
     tree, its recurrent state with rollback logs, and each MTP layer's own cache (one attention layer's share,
     for the context, the tree and the MTP chain)."""
-    per_token = ops.kv_bytes_per_token(itemsize)
     tokens = context + SPEC_ROOM
-    total = tokens * per_token + ops.state_bytes(itemsize, rollback=ROLLBACK)
-    mtp_layers = mtp_layer_count(checkpoint)
-    if mtp_layers:
-        one = getattr(ops, "layer_kv_bytes_per_token", None)  # hybrids: only full-attention layers hold KV
-        per_layer = one(itemsize) if one else -(-per_token // checkpoint.spec.num_layers)
-        total += mtp_layers * (tokens + MAX_DEPTH + 1) * per_layer
-    return total
+    main = tokens * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
+    return main + mtp_layer_count(checkpoint) * (tokens + MAX_DEPTH + 1) * ops.layer_kv_bytes_per_token(itemsize)
 
 
 def _with_mtp_units(checkpoint: ModelCheckpoint, placement: Placement, use_direct: bool, plan: Any,

@@ -44,13 +44,9 @@ from offload_engine.errors import BudgetError  # noqa: E402
 from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
 from offload_engine.prefetch.predictor import FrequencyPrior, RouterLookahead  # noqa: E402
 from offload_engine.prefetch.prefetcher import PrefetchConfig, Prefetcher  # noqa: E402
-from offload_engine.runtime.model import CausalLM  # noqa: E402
-from offload_engine.runtime.mtp import attach_mtp_units  # noqa: E402
 from offload_engine.spec.decoder import FinishEvent, GenerationState, drive  # noqa: E402
 from offload_engine.spec.sampling import Sampler, SamplingParams  # noqa: E402
 from offload_engine.spec.speculative import make_stepper  # noqa: E402
-from offload_engine.store.build import build_store, plan_for  # noqa: E402
-from offload_engine.tokenizer import Tokenizer  # noqa: E402
 
 EOT = "<|endoftext|>"
 FILES = 20  # held-out files sampled (evenly spaced in sorted order)
@@ -164,23 +160,6 @@ def perplexity(engine: Engine, tok, files: Sequence[Path], unigram: torch.Tensor
 
 
 # ---- MTP speculative decoding -------------------------------------------------------------------------------
-def open_with_mtp(path: Path, budget: Budget | None, max_context: int) -> Engine:
-    """Engine.open, with the checkpoint's MTP units in the store (as tests/test_speculative.py's open_engine,
-    until Engine.open attaches them itself)."""
-    engine = Engine.open(path, budget=budget, max_context=max_context)
-    checkpoint = attach_mtp_units(engine.checkpoint)
-    if checkpoint is engine.checkpoint:
-        return engine
-    engine.close()
-    dev, dtype = torch.device("cpu"), torch.float32
-    kv_bytes = max_context * checkpoint.arch.ops(checkpoint.args, dev, dtype).kv_bytes_per_token(4)
-    placement, direct = plan_for(checkpoint, (budget or Budget()).resolve(checkpoint.total_bytes), dev, kv_bytes,
-                                 "auto")
-    store = build_store(checkpoint, placement, dev, dtype, direct, "layer-lru", False)
-    model = CausalLM(checkpoint, store, dev, dtype, max_context=max_context)
-    return Engine(checkpoint, model, Tokenizer(checkpoint.root), store, dev, dtype)
-
-
 def decode(engine: Engine, ids: list[int], spec: str, depth: int | None = None):
     """Greedy, NEW_TOKENS, through make_stepper; returns (token ids, stepper, decode seconds)."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -364,7 +343,7 @@ def evaluate(model_dir: str | Path, heldout_files: Sequence[Path], *, files: int
     _progress(f"perplexity: model {ppl['model_ppl']:.2f}, unigram {ppl['unigram_ppl']:.1f}", start)
 
     t = time.perf_counter()
-    with open_with_mtp(model_dir, None, max_context=1024) as engine:
+    with Engine.open(model_dir, max_context=1024, spec="mtp") as engine:  # MTP layers as units
         ids = [engine.encode(p["prompt"]) for p in code]
         mtp, plain = mtp_acceptance(engine, ids, depths)
         completions = [engine.tokenizer.decode(out) for out in plain]

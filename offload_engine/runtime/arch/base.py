@@ -28,6 +28,7 @@ class LayerOps(Protocol):
     """What the runtime calls for one model; `w` is always the tensors of one unit, by local name."""
 
     def kv_bytes_per_token(self, itemsize: int) -> int: ...
+    def layer_kv_bytes_per_token(self, itemsize: int) -> int: ...
     def state_bytes(self, itemsize: int, rollback: int = 0) -> int: ...
     def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor: ...
     def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
@@ -168,8 +169,12 @@ class StandardOps:
         self.dtype = dtype
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """K and V of every layer for one position (what the KV cache stores)."""
-        return 2 * self.s.num_kv_heads * self.s.head_dim * self.s.num_layers * itemsize
+        """Every layer's cache entry for one position (what the KV cache stores)."""
+        return self.layer_kv_bytes_per_token(itemsize) * self.s.num_layers
+
+    def layer_kv_bytes_per_token(self, itemsize: int) -> int:
+        """One attention layer's entry for one position: K and V (an MTP layer's own cache holds this too)."""
+        return 2 * self.s.num_kv_heads * self.s.head_dim * itemsize
 
     def state_bytes(self, itemsize: int, rollback: int = 0) -> int:
         """Fixed per-sequence recurrent state (linear-attention layers); none for pure attention models."""

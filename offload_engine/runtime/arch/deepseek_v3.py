@@ -191,9 +191,9 @@ class DeepseekV3Ops(StandardOps):
         self.rotary = Rotary(a.spec.rope, a.qk_rope_head_dim, a.spec.max_position_embeddings, device)
         self.absorb = absorb
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """The latent and the rope key of every layer: far less than per-head K/V."""
-        return (self.a.kv_lora_rank + self.a.qk_rope_head_dim) * self.s.num_layers * itemsize
+    def layer_kv_bytes_per_token(self, itemsize: int) -> int:
+        """The latent and the rope key: far less than per-head K/V."""
+        return (self.a.kv_lora_rank + self.a.qk_rope_head_dim) * itemsize
 
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:

@@ -233,10 +233,6 @@ class HybridOps(StandardOps):
         """K and V of the full-attention layers only: linear layers keep a fixed-size state instead."""
         return self.layer_kv_bytes_per_token(itemsize) * len(self.a.full_layers)
 
-    def layer_kv_bytes_per_token(self, itemsize: int) -> int:
-        """K and V of one full-attention layer (an MTP layer's cache holds this per position)."""
-        return 2 * self.s.num_kv_heads * self.s.head_dim * itemsize
-
     def state_bytes(self, itemsize: int, rollback: int = 0) -> int:
         """Fixed recurrent-state bytes of one sequence (independent of its length): conv states in the compute
         dtype, float32 recurrent states. rollback > 0 adds the most the cache keeps to rewind that many positions
