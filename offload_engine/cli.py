@@ -91,8 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bars(args: argparse.Namespace) -> bool:
+    """Progress bars at all: a terminal on stderr and no --quiet."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _progress(args: argparse.Namespace) -> bool:
-    return not args.quiet and not getattr(args, "json", False) and sys.stderr.isatty()
+    """The loading bar: also off with --json (machine-read output)."""
+    return _bars(args) and not getattr(args, "json", False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -123,7 +129,7 @@ def _generate(engine: Any, args: argparse.Namespace) -> int:
                     top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
     finish = None
     # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
-    bar = _token_bar(args.max_new_tokens) if args.json and not args.quiet and sys.stderr.isatty() else None
+    bar = _token_bar(args.max_new_tokens) if args.json and _bars(args) else None
     for event in engine.stream(args.prompt, chat=args.chat, **sampling):
         if isinstance(event, FinishEvent):
             finish = event
