@@ -20,7 +20,7 @@ from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
 from offload_engine.errors import CheckpointFormatError  # noqa: E402
 from offload_engine.runtime.model import CausalLM  # noqa: E402
 from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count  # noqa: E402
-from offload_engine.spec.drafters import DraftBudget, TargetState  # noqa: E402
+from offload_engine.spec.drafters import MAX_CHUNKS, DraftBudget, TargetState  # noqa: E402
 from offload_engine.spec.drafters.mtp import MtpDrafter  # noqa: E402
 from offload_engine.spec.sampling import SamplingParams  # noqa: E402
 from offload_engine.store.resident import ResidentWeights  # noqa: E402
@@ -198,6 +198,17 @@ def test_hidden_rows_are_kept_in_chunks_and_bounded():
         state.take_hidden(2, 4)
     with pytest.raises(ValueError, match="gap"):
         state.push_hidden(10, rows[10:11])
+
+
+def test_hidden_rows_recorded_one_by_one_are_coalesced():
+    """Rows pushed one position at a time while no drafter consumes them (plain steps) stay bounded in chunks."""
+    state = TargetState(SamplingParams(), torch.Generator(), keep_hidden=True, max_hidden=100)
+    rows = torch.arange(400.0).view(200, 2)
+    for p in range(200):
+        state.push_hidden(p, rows[p:p + 1])
+        assert len(state._chunks) <= MAX_CHUNKS
+    assert (state.hidden_start, state.hidden_end) == (100, 200)
+    assert torch.equal(state.take_hidden(150, 200), rows[150:200])
 
 
 def test_mtp_drafter_restarts_on_a_window_when_rows_were_dropped(pairs):

@@ -9,7 +9,7 @@ from tokenizers import models
 
 from offload_engine import Budget, Engine
 from offload_engine.errors import ConfigError
-from offload_engine.spec.cost import CostModel
+from offload_engine.spec.cost import BENCH_FIRST, REALIZED_WINDOW, REPLAN_EVERY, CostModel, Plan
 from offload_engine.spec.decoder import FinishEvent, GenerationState, PlainStepper, drive
 from offload_engine.spec.drafters.draft_model import check_same_vocabulary
 from offload_engine.spec.drafters.self_draft import restrict
@@ -178,6 +178,42 @@ def test_cost_model_turns_speculation_off_when_it_loses_and_on_when_it_wins():
     plan = dense.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"})
     assert plan.drafter == "ngram" and plan.depth >= 3
     assert dense.plan({"ngram": 0.0}, 8, 4, depth=2, width=3) .depth == 2  # overrides win
+
+
+def test_a_drafter_that_loses_in_seconds_is_benched_whatever_the_estimate_says():
+    dense = CostModel()
+    for T in (1, 2, 5, 9):
+        for _ in range(4):
+            dense.observe_forward(T, 0.010)
+    for _ in range(40):
+        dense.observe_ranks("ngram", [0, 0, -1], [1, 1, 1])
+    plain, step = Plan(None), dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"})
+    assert step.drafter == "ngram"
+    for _ in range(4):
+        dense.observe_step(0.010, plain)
+    for _ in range(REALIZED_WINDOW):  # each speculative step emits 3 tokens but takes 4 plain steps' time
+        dense.observe_step(0.040, step, tokens=3)
+    assert dense.benched("ngram") and dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"}).drafter is None
+    for _ in range(BENCH_FIRST):
+        dense.observe_step(0.010, plain)
+    assert not dense.benched("ngram")
+    for _ in range(REALIZED_WINDOW):  # now it pays: kept
+        dense.observe_step(0.012, step, tokens=3)
+    assert not dense.benched("ngram") and dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"}).drafter == "ngram"
+
+
+def test_a_clear_plain_verdict_stands_a_few_steps_until_new_acceptance_evidence():
+    cost = CostModel(num_experts=64, experts_per_token=4)
+    cost.observe_forward(1, 0.010)
+    cost.observe_forward(40, 0.140)
+    for _ in range(20):
+        cost.observe_ranks("ngram", [-1], [1])
+    assert not cost.keep_plain()  # nothing planned yet
+    assert cost.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"}).drafter is None
+    assert [cost.keep_plain() for _ in range(REPLAN_EVERY)] == [True] * (REPLAN_EVERY - 1) + [False]
+    cost.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"})
+    cost.observe_ranks("ngram", [0, 0, 0], [1, 1, 1])  # a shadow proposal ended: re-plan at once
+    assert not cost.keep_plain()
 
 
 def test_auto_is_lossless_and_reports_stats(engines):

@@ -23,6 +23,12 @@ probe first catches its layers up on the context) stays within `explore` (3%) of
 Shadow-scored drafters predicted to nearly win are retried under the same budget, so that a few slow timings
 of a tree size (load spikes on a shared machine) cannot rule it out for good.
 
+Speculation must pay in seconds, not only in the model's estimate: each drafter's realized seconds per token
+over its last REALIZED_WINDOW speculative steps (drafting, verification and everything a step costs that the
+estimate misses: expert reads that evict what plain steps would have hit, bookkeeping) is compared with the
+median plain step. A drafter slower than plain decoding is benched for BENCH_FIRST steps, doubled each time it
+loses again; its acceptance keeps being learned meanwhile where it is shadow-scored.
+
 `timed=False` (seeded sampling): plans must not depend on wall-clock measurements, or a seeded run would not
 reproduce (rejection sampling draws differ with the drafts). Times are then the priors (t(1) = 1, gamma as
 given, drafting at its prior share), and only acceptance, which is a function of the run itself, is learned.
@@ -37,6 +43,12 @@ OPTIMISTIC = 1.9  # tokens per step a depth-1 draft yields at 90% acceptance (th
 PRIOR_FIRST, PRIOR_SIBLING, STRENGTH = 0.3, 0.1, 2.0  # acceptance priors (chain node, sibling) and their weight
 GAMMA_PRIOR_WEIGHT = 1.0  # observations' worth of weight the gamma prior keeps
 NEAR_MISS = 0.8  # a shadow-scored drafter predicted within this factor of winning is retried (exploration budget)
+REPLAN_EVERY, CLEAR_LOSS = 4, 0.9  # a plain verdict with every plan below CLEAR_LOSS x plain's rate stands this
+# many steps: planning costs ~0.1-0.3 ms, a tenth of a step of a small resident model; new acceptance evidence
+# (a shadow-scored n-gram proposal ending) re-plans at once
+
+
+REALIZED_WINDOW, BENCH_FIRST = 8, 32  # spec steps a drafter is judged over; steps it sits out after a loss
 
 
 class RecentMedian:
@@ -136,6 +148,18 @@ class _Acceptance:
         return sum(a + r for a, r in self.counts.values())
 
 
+@dataclass
+class _Realized:
+    """A drafter's recent speculative steps as (seconds, tokens emitted), and when it may speculate again."""
+
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    benched_until: int = 0  # step number
+    bench: int = BENCH_FIRST  # the next bench's length
+
+    def seconds_per_token(self) -> float:
+        return sum(s for s, _ in self.steps) / max(sum(t for _, t in self.steps), 1)
+
+
 class CostModel:
     def __init__(self, num_experts: int = 0, experts_per_token: int = 0, margin: float = 0.05,
                  probe_every: int = 16, explore: float = 0.03, timed: bool = True):
@@ -146,6 +170,10 @@ class CostModel:
         self._acc: dict[str, _Acceptance] = {}
         self._probe_cost: dict[str, RecentMedian] = {}  # extra seconds a probe step cost over a plain one
         self._plain_since_probe = 0
+        self._replan_in = 0  # plain steps the last (clearly plain) verdict still stands for
+        self._step = 0  # decode steps observed
+        self._plain_step = RecentMedian(15)  # seconds of a plain (non-probe) step
+        self._realized: dict[str, _Realized] = {}
         self._elapsed = 0.0  # decode seconds so far (steps, in units of t(1) when not timed)
         self._explored = 0.0  # of which spent beyond plain steps on probes
         self._gamma_prior = 1.0 if num_experts else 0.1  # pessimistic until forwards are timed
@@ -204,8 +232,10 @@ class CostModel:
         slope = max(0.0, self._fwd[t].value - t1) / (t - 1)
         return self._fwd[t].value + slope * (T - t)
 
-    def observe_step(self, seconds: float, plan: "Plan") -> None:
-        """One decode step's time; a probe's excess over a plain step is charged to the exploration budget."""
+    def observe_step(self, seconds: float, plan: "Plan", tokens: int = 1) -> None:
+        """One decode step's time and the tokens it emitted; a probe's excess over a plain step is charged to
+        the exploration budget, a speculative step to its drafter's realized record."""
+        self._step += 1
         t1 = self.forward_time(1)
         seconds = seconds if self.timed else (t1 + (2.0 * t1 if plan.probe else 0.0))
         self._elapsed += seconds
@@ -213,6 +243,23 @@ class CostModel:
             extra = max(0.0, seconds - t1)
             self._explored += extra
             self._probe_cost.setdefault(plan.drafter, RecentMedian()).add(extra)
+        elif plan.drafter is None:
+            self._plain_step.add(seconds)
+        elif self.timed:
+            self._judge(plan.drafter, seconds, tokens)
+
+    def _judge(self, name: str, seconds: float, tokens: int) -> None:
+        r = self._realized.setdefault(name, _Realized())
+        r.steps.append((seconds, tokens))
+        if len(r.steps) < REALIZED_WINDOW or self._plain_step.count < 4:
+            return
+        if r.seconds_per_token() > self._plain_step.value:  # slower than not speculating at all
+            r.benched_until, r.bench = self._step + r.bench, 2 * r.bench
+        r.steps.clear()
+
+    def benched(self, name: str) -> bool:
+        r = self._realized.get(name)
+        return r is not None and self._step < r.benched_until
 
     # ---- drafting --------------------------------------------------------------------------------------
     def observe_draft(self, name: str, depth: int, seconds: float) -> None:
@@ -230,6 +277,7 @@ class CostModel:
     def observe_ranks(self, name: str, ranks: list[int], widths: list[int]) -> None:
         """ranks[d]: sibling rank accepted at depth d + 1 (-1: none); widths[d]: siblings offered there."""
         acc = self.acceptance(name)
+        self._replan_in = 0
         for d, (k, w) in enumerate(zip(ranks, widths), start=1):
             for r in range(w if k < 0 else k + 1):
                 acc.add(d, r, r == k)
@@ -238,6 +286,15 @@ class CostModel:
         return _expected(self.acceptance(name).table(depth, width), width)[depth - 1]
 
     # ---- the decision ----------------------------------------------------------------------------------
+    def keep_plain(self) -> bool:
+        """True while the last verdict, a plain step that every plan lost to by a clear margin, stands: the
+        caller then takes a plain step without planning (the step counts towards the next probe as usual)."""
+        if self._replan_in <= 0:
+            return False
+        self._replan_in -= 1
+        self._plain_since_probe += 1
+        return True
+
     def plan(self, drafters: dict[str, float], max_depth: int, max_width: int, depth: int | None = None,
              width: int | None = None, shadow: set[str] = frozenset(), catch_up: dict[str, float] | None = None
              ) -> Plan:
@@ -245,6 +302,7 @@ class CostModel:
         name -> estimated seconds its next proposal spends catching up first (MTP after plain steps)."""
         if depth is not None and width is not None and len(drafters) == 1:
             return Plan(next(iter(drafters)), depth, width)
+        drafters = {n: p for n, p in drafters.items() if not self.benched(n)}
         plain = 1.0 / max(self.forward_time(1), 1e-9)
         best, best_rate = Plan(None), plain * (1.0 + self.margin) if depth is None else -1.0
         depths = [depth] if depth is not None else range(1, max_depth + 1)
@@ -252,6 +310,7 @@ class CostModel:
         top_depth, top_width = max(depths), max(widths)
         verify = {T: self.forward_time(T) for T in {1 + D * W for D in depths for W in widths}}
         near: tuple[float, Plan] = (0.0, Plan(None))  # the best plan of a shadow-scored drafter
+        top_rate = 0.0  # the best rate of any speculative plan
         for name, prior in drafters.items():
             table = self.acceptance(name).table(top_depth, top_width)
             per_depth = self.draft_time(name, 1, prior)
@@ -259,6 +318,7 @@ class CostModel:
                 expected = _expected(table, W)
                 for D in depths:
                     rate = expected[D - 1] / max(D * per_depth + verify[1 + D * W], 1e-9)
+                    top_rate = max(top_rate, rate)
                     if rate > best_rate:
                         best, best_rate = Plan(name, D, W), rate
                     if name in shadow and rate > near[0]:
@@ -268,6 +328,7 @@ class CostModel:
             return best
         self._plain_since_probe += 1
         if self._plain_since_probe < self.probe_every:
+            self._replan_in = REPLAN_EVERY - 1 if top_rate < CLEAR_LOSS * plain else 0
             return best
         # probe a drafter only if it could win at all (near-perfect acceptance at depth 1), and only while the
         # probes' extra cost stays within `explore` of the decode time so far

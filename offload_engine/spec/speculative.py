@@ -88,7 +88,7 @@ class SpeculativeStepper:
                 out = self._verify(tree, drafter, plan)
         if out is None:
             out = self._plain(last_token)
-        self.cost.observe_step(time.perf_counter() - start, plan)
+        self.cost.observe_step(time.perf_counter() - start, plan, len(out))
         return out
 
     @torch.inference_mode()
@@ -101,6 +101,8 @@ class SpeculativeStepper:
 
     # ---- steps -----------------------------------------------------------------------------------------
     def _plan(self) -> Plan:
+        if self.cost.keep_plain():
+            return Plan(None)
         priors = {name: self._draft_prior(name) for name in self.drafters}
         shadow = {n for n, d in self.drafters.items() if getattr(d, "free", False)}
         # a drafter with layers of its own to catch up (MTP after plain steps) first runs them over the positions

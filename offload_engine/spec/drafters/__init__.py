@@ -30,6 +30,9 @@ class DraftBudget:
     max_nodes: int | None = None  # hard cap (cache room); None = depth * width
 
 
+MAX_CHUNKS = 64
+
+
 @dataclass
 class TargetState:
     """Target-side facts shared with drafters. Hidden rows are the trunk's output (before the final norm) for
@@ -57,11 +60,12 @@ class TargetState:
             return
         if self._chunks and start > self.hidden_end:
             raise ValueError(f"hidden rows for position {start} leave a gap after {self.hidden_end}")
-        kept = []
-        for s, r in self._chunks:
-            if s < start:
-                kept.append((s, r[:start - s]))
-        self._chunks = kept + [(start, rows.detach())]
+        if start == self.hidden_end:  # the usual case, the next positions: O(1) while drafters stay idle
+            self._chunks.append((start, rows.detach()))
+        else:
+            self._chunks = [(s, r[:start - s]) for s, r in self._chunks if s < start] + [(start, rows.detach())]
+        if len(self._chunks) > MAX_CHUNKS:  # one copy now and then keeps trimming and taking O(MAX_CHUNKS)
+            self._chunks = [(self.hidden_start, torch.cat([r for _, r in self._chunks]))]
         excess = self.hidden_end - self.hidden_start - self.max_hidden
         if excess > 0:
             self._drop_before(self.hidden_start + excess)
