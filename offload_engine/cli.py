@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert cache eviction policy")
     run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
                      help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
+    run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
+                     help="speculative expert prefetch; adaptive (default): only while it measurably pays")
+    run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
+    run.add_argument("--trace", metavar="FILE",
+                     help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
     run.add_argument("--spec", default="off", choices=["off", "auto", "ngram", "mtp", "draft", "self"],
                      help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
                           "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
@@ -101,6 +106,20 @@ def _progress(args: argparse.Namespace) -> bool:
     return _bars(args) and not getattr(args, "json", False)
 
 
+def _prefetch_config(args: argparse.Namespace) -> Any:
+    """--prefetch, --prefetch-depth and --trace as Engine.open's `prefetch` (a PrefetchConfig, or False)."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+    from .prefetch.prefetcher import PrefetchConfig
+
+    if args.prefetch_depth < 1:
+        raise ConfigError(f"--prefetch-depth must be an integer >= 1, got {args.prefetch_depth}")
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise ConfigError(f"--trace {args.trace}: no such file (write one with tools/trace_experts.py record)")
+    return args.prefetch != "off" and PrefetchConfig(depth=args.prefetch_depth, adaptive=args.prefetch == "adaptive")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
     from .config import Budget
@@ -112,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
                          max_context=args.context, policy=args.policy, direct_io=args.direct_io,
                          allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
-                         spec=args.spec, spec_depth=args.spec_depth, spec_width=args.spec_width,
+                         prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec, spec_depth=args.spec_depth, spec_width=args.spec_width,
                          draft_model=args.draft_model, draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
     try:
         return _generate(engine, args)

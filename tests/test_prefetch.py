@@ -1,6 +1,7 @@
 """Prefetch never changes what is computed: any depth, on or off, random read delays -> identical tokens."""
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -10,6 +11,7 @@ import torch
 
 from offload_engine import Budget, Engine, PrefetchConfig
 from offload_engine.prefetch.predictor import Combined, FrequencyPrior
+from offload_engine.prefetch.prefetcher import PayCheck
 from offload_engine.checkpoint.naming import UnitKey
 from offload_engine.store.disk import read_range
 
@@ -73,3 +75,84 @@ def test_frequency_prior_and_combination():
 
     combined = dict(Combined(prior, Fixed()).predict(0, torch.zeros(1, 4), 1))
     assert combined[UnitKey(1, "expert", 3)] == pytest.approx(1 - (1 - 1 / 3) * 0.5)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_forwards(pay: PayCheck, clock: FakeClock, n: int, on_s: float, off_s: float, tokens: int = 1) -> list[bool]:
+    """n forwards, each taking on_s or off_s depending on the setting PayCheck chose for it."""
+    settings = []
+    for _ in range(n):
+        on = pay.forward_started(tokens)
+        settings.append(on)
+        clock.now += on_s if on else off_s
+    return settings
+
+
+@pytest.mark.parametrize("on_s, off_s, verdict", [(1.0, 2.0, True), (2.0, 1.0, False), (1.0, 1.0, False)])
+def test_pay_check_keeps_the_faster_setting_and_holds_it_longer_while_it_repeats(on_s, off_s, verdict):
+    clock = FakeClock()
+    pay = PayCheck(clock)
+    n = PayCheck.TRIAL  # each forward is timed when the next one starts
+    settings = run_forwards(pay, clock, 2 * n + 1, on_s, off_s)
+    assert settings == [True] * n + [False] * n + [verdict]
+    assert pay.verdicts == [verdict]
+    held = run_forwards(pay, clock, PayCheck.HOLD - 1, on_s, off_s)
+    assert held == [verdict] * (PayCheck.HOLD - 1)
+    run_forwards(pay, clock, 2 * PayCheck.TRIAL + 1, on_s, off_s)  # the next trial, same outcome
+    assert pay.verdicts == [verdict, verdict]
+    assert run_forwards(pay, clock, 2 * PayCheck.HOLD - 1, on_s, off_s) == [verdict] * (2 * PayCheck.HOLD - 1)
+
+
+def test_pay_check_times_only_single_token_forwards():
+    clock = FakeClock()
+    pay = PayCheck(clock)
+    run_forwards(pay, clock, 50, 1.0, 2.0, tokens=7)  # prefill / verification passes: not timed, no verdict
+    assert pay.verdicts == [] and pay.on
+
+
+def test_adaptive_prefetch_is_lossless_and_reports_its_trials(reference):
+    """The default (adaptive) prefetcher in a real engine with random read delays: same tokens; its pay check
+    ran trials, and switching prefetch on and off between forwards never changed a token."""
+    path, expected = reference
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=128, direct_io="off",
+                     read_fn=RandomDelays(7)) as engine:
+        long = engine.generate(PROMPT, max_new_tokens=64, ignore_eos=True)
+        short = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert short.token_ids == expected and long.token_ids[:24] == expected
+    verdicts = long.stats["prefetch"]["pay_check_verdicts"]
+    assert len(verdicts) >= 1 and all(isinstance(v, bool) for v in verdicts)
+    assert 0.0 <= long.stats["io_overlap"] <= 1.0 and long.stats["read_busy_s"] > 0
+
+
+def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
+    """A trace recorded by tools/trace_experts.py seeds the prior through --trace; a bad one is refused by name."""
+    from offload_engine.cli import main
+    from tools.trace_experts import main as trace_main
+
+    path, _ = reference
+    trace, outputs = tmp_path / "trace.json", []
+    assert trace_main(["record", "--model", str(path), "--prompt", "def f():", "--tokens", "8", "--context", "64",
+                       "--out", str(trace)]) == 0
+    base = ["run", "--model", str(path), "--ram", "25%", "--context", "64", "--max-new-tokens", "24", "--json",
+            "--quiet", "--prompt", "x"]
+    for extra, enabled in ((["--trace", str(trace), "--prefetch", "on", "--prefetch-depth", "2"], True),
+                           (["--prefetch", "off"], False)):
+        capsys.readouterr()
+        assert main(base + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["stats"]["prefetch"]["enabled"] is enabled
+        outputs.append(out["token_ids"])
+    assert outputs[0] == outputs[1]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"counts": {}}')
+    assert main(base + ["--trace", str(bad)]) != 0
+    assert "bad.json" in capsys.readouterr().err
+    assert main(base + ["--prefetch-depth", "0"]) != 0
+    assert "--prefetch-depth" in capsys.readouterr().err

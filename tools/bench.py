@@ -8,6 +8,11 @@ token against a physical bound, max(resident compute time, bytes read and used /
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
     python tools/bench.py --plot                   # also bench-tok_s.png and bench-bytes.png next to the JSON
+    python tools/bench.py --budgets 25,10 --no-peer --prefetch off,on,adaptive   # prefetch compared, one run
+
+--prefetch MODES: the engine's expert prefetch, off / on (always) / adaptive (its pay check decides, the
+default of Engine.open). The first mode is the engine of the main table; with several, every budget runs each
+mode and a second table compares them with off (stall, tok/s, recall, precision, wasted reads, I/O overlap).
 """
 from __future__ import annotations
 
@@ -34,12 +39,13 @@ sys.path.insert(0, str(ROOT))  # the engine next to this script, also when run f
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from offload_engine import Budget, Engine  # noqa: E402
+from offload_engine import Budget, Engine, PrefetchConfig  # noqa: E402
 from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_cpu_matmul_flops,  # noqa: E402
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
 from offload_engine.spec.decoder import FinishEvent  # noqa: E402
 
 MB = 1e6
+PREFETCH_MODES = {"off": False, "on": PrefetchConfig(adaptive=False), "adaptive": PrefetchConfig()}
 TARGETS_AT = 25  # the issue's acceptance budget (%)
 
 
@@ -65,6 +71,9 @@ class EngineRun:
     open_s: float
     prefetch: dict[str, Any] = field(default_factory=dict)
     bytes_host_to_device_per_token: float = 0.0  # store counter, decode steps only (0 without a device tier)
+    prefetch_mode: str = "adaptive"
+    wasted_bytes_per_token: float = 0.0  # prefetched and evicted unused
+    io_overlap: float = 1.0  # share of the readers' busy time the compute thread did not wait through
 
 
 @dataclass
@@ -131,19 +140,19 @@ def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
-               progress: bool, quiet: float = 0.0, prefetch: bool = True) -> EngineRun:
+               progress: bool, quiet: float = 0.0, prefetch: str = "adaptive") -> EngineRun:
     """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
     warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill."""
     budget = Budget() if pct is None else Budget(ram=f"{pct:g}%")
     direct = "auto" if pct is None or pct >= 100 else "on"
     start = time.perf_counter()
-    options = {} if prefetch else {"prefetch": False}  # only engines that have a prefetcher take the option
+    options = {} if prefetch == "adaptive" else {"prefetch": PREFETCH_MODES[prefetch]}
     engine = Engine.open(model, budget=budget, max_context=len(prompt) + steps + 8, direct_io=direct, **options)
     open_s = time.perf_counter() - start
     try:
         engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
         wait_for_quiet(quiet)
-        return _measured_request(engine, pct, prompt, steps, open_s, progress)
+        return _measured_request(engine, pct, prompt, steps, open_s, progress, prefetch)
     finally:
         engine.close()
         del engine
@@ -151,7 +160,7 @@ def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int
 
 
 def _measured_request(engine: Engine, pct: float | None, prompt: list[int], steps: int, open_s: float,
-                      progress: bool) -> EngineRun:
+                      progress: bool, prefetch: str) -> EngineRun:
     meter, before, finish = Meter(), None, None
     bar = tqdm(total=steps, desc=f"engine {_label(pct)}", unit="tok", leave=False, disable=not progress)
     for event in engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True):
@@ -171,17 +180,21 @@ def _measured_request(engine: Engine, pct: float | None, prompt: list[int], step
     decode_s = stats["decode_s"]
     read = after["bytes_read_disk"] - before["bytes_read_disk"]
     wasted = after.get("prefetch_wasted", 0) - before.get("prefetch_wasted", 0)
+    busy, stall = (after.get("read_busy_s", 0.0) - before.get("read_busy_s", 0.0),
+                   after["io_wait_s"] - before["io_wait_s"])
     unit = engine.store.placement.sizes["expert"].slot_bytes if "expert" in engine.store.placement.sizes else 0
     return EngineRun(
         budget_pct=pct, tokens=list(finish.token_ids), decode_steps=n, decode_s=decode_s,
         s_per_token=decode_s / n, tok_s=n / decode_s,
         bytes_read_disk_per_token=read / n, needed_bytes_per_token=max(0, read - wasted * unit) / n,
         os_read_bytes_per_token=meter.per(n), hit_rate=hits / max(hits + misses, 1),
-        stall_s_per_token=(after["io_wait_s"] - before["io_wait_s"]) / n, cpu_util=meter.cpu_util,
+        stall_s_per_token=stall / n, cpu_util=meter.cpu_util,
         others_cpu=meter.others_cpu,
         peak_bytes=stats["peak_bytes"], budget_bytes=stats["budget_bytes"], direct_io=engine.store.direct_io,
         open_s=open_s, prefetch=stats.get("prefetch") or {},
-        bytes_host_to_device_per_token=(after["bytes_host_to_device"] - before["bytes_host_to_device"]) / n)
+        bytes_host_to_device_per_token=(after["bytes_host_to_device"] - before["bytes_host_to_device"]) / n,
+        prefetch_mode=prefetch, wasted_bytes_per_token=wasted * unit / n,
+        io_overlap=max(0.0, 1.0 - stall / busy) if busy > 0 else 1.0)
 
 
 # ---- the peer: transformers + accelerate disk offload -------------------------------------------------------
@@ -380,6 +393,25 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
     return "\n".join(lines)
 
 
+def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
+    """Per budget and prefetch mode, against the same budget's prefetch-off run."""
+    lines = [f"{'budget':>7} {'prefetch':>9} {'tok/s':>7} {'vs off':>6} {'stall':>7} {'off/this':>8} {'MB/tok':>7} "
+             f"{'wasted':>7} {'recall':>6} {'prec.':>6} {'overlap':>7}  pay-check verdicts",
+             f"{'% model':>7} {'':>9} {'':>7} {'':>6} {'ms/tok':>7} {'stall':>8} {'read':>7} {'MB/tok':>7}"]
+    for pct, modes in runs.items():
+        off = modes.get("off")
+        for mode, r in modes.items():
+            p = r.prefetch or {}
+            lines.append(
+                f"{pct:>7g} {mode:>9} {r.tok_s:>7.2f} {_fmt(off and r.tok_s / off.tok_s, '6.2f'):>6} "
+                f"{1e3 * r.stall_s_per_token:>7.1f} "
+                f"{_fmt(off and r.stall_s_per_token and off.stall_s_per_token / r.stall_s_per_token, '8.2f'):>8} "
+                f"{r.bytes_read_disk_per_token / MB:>7.1f} {r.wasted_bytes_per_token / MB:>7.1f} "
+                f"{_fmt(p.get('recall'), '6.2f'):>6} {_fmt(p.get('precision'), '6.2f'):>6} {r.io_overlap:>7.2f}  "
+                f"{''.join('+' if v else '-' for v in (p.get('pay_check_verdicts') or [])) or '-'}")
+    return "\n".join(lines)
+
+
 def _pyplot():
     import matplotlib
 
@@ -460,8 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="PNGs PREFIX-tok_s.png (speed against budget) and PREFIX-bytes.png (bytes read per token "
                          "by tier); default PREFIX: the JSON path without .json")
     ap.add_argument("--probe-mib", type=int, default=512, help="MiB read per O_DIRECT bandwidth sample")
-    ap.add_argument("--engine-prefetch", action=argparse.BooleanOptionalAction, default=True,
-                    help="the engine's speculative expert prefetch (default: on, as Engine.open)")
+    ap.add_argument("--prefetch", default="adaptive", metavar="MODES",
+                    help="comma-separated engine prefetch modes from off,on,adaptive (default: adaptive, as "
+                         "Engine.open); the first is the main table's engine, all are compared per budget")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch intra-op threads for both systems (default: torch's own choice)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
@@ -472,6 +505,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.budgets, args.tokens, args.prompt_len, args.probe_mib = "100,25", 4, 4, 8
     args.json = args.json or str(Path(args.work_dir) / "bench.json")
+    args.prefetch = args.prefetch.split(",")
+    unknown = [m for m in args.prefetch if m not in PREFETCH_MODES]
+    if unknown or not args.prefetch:
+        ap.error(f"--prefetch: expected modes from {','.join(PREFETCH_MODES)}, got {','.join(unknown) or 'none'}")
     return args
 
 
@@ -491,11 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
     resident = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                          args.engine_prefetch)
-    rows_raw = []
+                          args.prefetch[0])
+    rows_raw, by_mode = [], {}
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
-        engine = run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                            args.engine_prefetch)
+        by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                                         mode) for mode in args.prefetch}
+        engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
         rows_raw.append((pct, engine, peers))
@@ -504,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [make_row(pct, e, p, resident.s_per_token, disk_bw) for pct, e, p in rows_raw]
 
     print(table(rows, resident, disk_bw))
+    if len(args.prefetch) > 1:
+        print(prefetch_table(by_mode))
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "duration_s": time.time() - started,
@@ -512,10 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"budgets": budgets, "tokens": args.tokens, "prompt_len": args.prompt_len, "peer": args.peer,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
-                     "engine_prefetch": args.engine_prefetch},
+                     "prefetch_modes": args.prefetch},
         "probe": {"disk": disk, "disk_bandwidth_for_bound": disk_bw, "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
         "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),
+        "prefetch_compare": {f"{pct:g}": {m: asdict(r) for m, r in modes.items()} for pct, modes in by_mode.items()}
+        if len(args.prefetch) > 1 else {},
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

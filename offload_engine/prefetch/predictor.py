@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..checkpoint.naming import UnitKey
+from ..errors import ConfigError
 
 Prediction = list[tuple[UnitKey, float]]
 
@@ -61,11 +62,16 @@ class FrequencyPrior:
             self.load(trace)
 
     def load(self, path: Path) -> None:
-        data = json.loads(Path(path).read_text())
-        for layer, experts in data.get("counts", {}).items():
-            for e, c in experts.items():
-                self.counts[int(layer)][int(e)] += int(c)
-            self.steps[int(layer)] += int(data.get("steps", {}).get(layer, 0))
+        """A routing trace written by `tools/trace_experts.py record`: {"steps": [[layer, [[expert, ...] per
+        token]], ...]}; each token's routing counts as one step of its layer."""
+        try:
+            data = json.loads(Path(path).read_text())
+            for layer, per_token in data["steps"]:
+                for token in per_token:
+                    self.observe(int(layer), [int(e) for e in token])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--trace {path}: not a routing trace of tools/trace_experts.py record "
+                              f"({type(e).__name__}: {e})") from e
 
     def observe(self, layer: int, experts: list[int]) -> None:
         self.steps[layer] += 1

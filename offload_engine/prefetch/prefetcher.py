@@ -5,9 +5,21 @@ known (predict layers l+1..l+depth, and read ahead their dense units when those 
 `routed(l, experts)` once layer l's real routing is known (score the predictions for l, cancel the stale ones
 that have not started, feed the frequency prior). Prefetches are best effort: they take only free or evictable
 slots, never units in use, and queue behind demand reads in the reader pool.
+
+Dense units are read one layer further ahead than experts are predicted: their use is certain, and the router
+lookahead needs layer t's dense unit (its router) resident when layer t - 1 asks for a prediction.
+
+Expert prefetching must pay in seconds (FIELD-NOTES: on a link with no spare bandwidth, wrong guesses delay the
+right reads). `PayCheck` measures it: trials of single-token forwards with expert prefetching on, then off, keep
+whichever was faster for a hold period (doubled while the verdict repeats), then trial again. An expert
+prefetch only takes a free slot or one whose unit went unused through the whole previous forward: a wrong guess
+must not push out a cached expert the next tokens would have hit (at a 94% hit rate that pollution tripled the
+bytes read per token).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,7 +35,7 @@ class PrefetchConfig:
     depth: int = 1  # MoE layers ahead
     margin: int = 2  # candidates beyond top-k per token
     min_prob: float = 0.05
-    adaptive: bool = True  # stop expert prefetching when most prefetched units go unused
+    adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
 
 
 @dataclass
@@ -51,6 +63,49 @@ class PrefetchMetrics:
                               for l, (p, r, h) in sorted(self.per_layer.items())}}
 
 
+class PayCheck:
+    """Whether expert prefetching pays, by measuring single-token forwards (the time from one forward's start
+    to the next's) in alternating trials: TRIAL with it on, TRIAL with it off; the lower median wins and holds
+    for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. A tie goes to off:
+    prefetching costs reads and memory bandwidth, so it must show a gain."""
+
+    TRIAL, HOLD, MAX_HOLD = 4, 32, 512
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.on = True  # expert prefetching for the forward now running
+        self.verdicts: list[bool] = []  # each trial's outcome, in order (reported in the stats)
+        self._phase = "on"  # "on" / "off": a trial of that setting; "hold": the verdict stands
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+        self._hold, self._left = self.HOLD, 0
+        self._started: float | None = None  # start of the last single-token forward
+
+    def forward_started(self, tokens: int) -> bool:
+        """Called as each forward starts; returns whether it prefetches experts."""
+        now = self.clock()
+        if self._started is not None and self._phase != "hold":
+            self._times[self.on].append(now - self._started)
+        self._started = now if tokens == 1 else None  # prefill and verification passes are not timed
+        if tokens == 1:
+            self._advance()
+        return self.on
+
+    def _advance(self) -> None:
+        if self._phase == "hold":
+            self._left -= 1
+            if self._left <= 0:
+                self._phase, self.on = "on", True
+                self._times = {True: [], False: []}
+        elif len(self._times[self.on]) >= self.TRIAL:
+            if self._phase == "on":
+                self._phase, self.on = "off", False
+            else:
+                verdict = statistics.median(self._times[True]) < statistics.median(self._times[False])
+                self._hold = min(2 * self._hold, self.MAX_HOLD) if self.verdicts[-1:] == [verdict] else self.HOLD
+                self.verdicts.append(verdict)
+                self._phase, self.on, self._left = "hold", verdict, self._hold
+
+
 class Prefetcher:
     def __init__(self, store, predictor: ExpertPredictor, moe_layers: list[int], num_layers: int,
                  config: PrefetchConfig):
@@ -59,13 +114,19 @@ class Prefetcher:
         self.metrics = PrefetchMetrics()
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for it, not yet routed
         self.expert_prefetch = config.enabled
+        self.pay = PayCheck() if config.adaptive else None
         self._stream_dense = store.placement.home("dense") == "disk"
+        self._forward_ticks = (0, 0)  # store ticks at the start of the previous and of the current forward
 
     def after_attention(self, layer: int, x: torch.Tensor) -> None:
         if not self.config.enabled:
             return
-        if self._stream_dense:  # certain: the next layers' dense units (and the head after the last one)
-            ahead = [UnitKey(l, "dense") for l in range(layer + 1, min(layer + 1 + self.config.depth,
+        if layer == 0:
+            self._forward_ticks = (self._forward_ticks[1], self.store.tick)
+            if self.pay is not None:
+                self.expert_prefetch = self.pay.forward_started(x.shape[0])
+        if self._stream_dense:  # certain: the next layers' dense units, one layer beyond the expert horizon
+            ahead = [UnitKey(l, "dense") for l in range(layer + 1, min(layer + 2 + self.config.depth,
                                                                        self.num_layers))]
             self.store.prefetch(ahead)
         if not self.expert_prefetch:
@@ -74,7 +135,7 @@ class Prefetcher:
                       if p >= self.config.min_prob]
         for key, _ in prediction:
             self._pending.setdefault(key.layer, set()).add(key.expert)
-        self.store.prefetch([k for k, _ in prediction])
+        self.store.prefetch([k for k, _ in prediction], used_before=self._forward_ticks[0])
 
     def routed(self, layer: int, experts: list[int]) -> None:
         self.predictor.observe(layer, experts)
@@ -84,15 +145,7 @@ class Prefetcher:
         actual = set(experts)
         self.metrics.record(layer, predicted, actual)
         self.store.cancel_prefetch([UnitKey(layer, "expert", e) for e in predicted - actual])
-        self._adapt()
-
-    def _adapt(self) -> None:
-        """FIELD-NOTES: on a link with no spare bandwidth, acting on predictions costs more than it saves."""
-        s = self.store.stats
-        # measured on a ~450 MB/s disk (docs/PERF.md): with 38% of guesses used, prefetch made decode 2.8x slower
-        if self.config.adaptive and s.prefetch_issued >= 32 and s.prefetch_used < 0.5 * s.prefetch_issued:
-            self.expert_prefetch = False
 
     def summary(self) -> dict:
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
-                **self.metrics.summary()}
+                "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None, **self.metrics.summary()}

@@ -77,8 +77,33 @@ def reading(path: str | Path, offset: int, nbytes: int) -> Iterator[None]:
             _RANGES[me] = outer
 
 
+class BusyClock:
+    """Wall time during which at least one reader was reading (the union of the jobs' intervals, not their sum):
+    what the store compares with the compute thread's wait to tell how much of the I/O was hidden."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active, self._since, self._total = 0, 0.0, 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.monotonic()
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._total += time.monotonic() - self._since
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.monotonic() - self._since if self._active else 0.0)
+
+
 class ReaderPool:
-    def __init__(self, threads: int, bounce_bytes: int = 0):
+    def __init__(self, threads: int, bounce_bytes: int = 0, busy: BusyClock | None = None):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._stop = threading.Event()
         self._seq = itertools.count()
@@ -88,7 +113,8 @@ class ReaderPool:
         self.unjoined: list[str] = []  # after close(): threads still stuck in a read, and what they read
         # Workers hold the queue, the stop event and `current`, never the pool: a pool dropped without close()
         # is collected, and its finalizer stops the threads.
-        self._threads = [threading.Thread(target=_work, args=(self._queue, self._stop, self.current),
+        self.busy = busy or BusyClock()
+        self._threads = [threading.Thread(target=_work, args=(self._queue, self._stop, self.current, self.busy),
                                           name=f"offload-reader-{i}", daemon=True) for i in range(threads)]
         self._finalizer = weakref.finalize(self, _wake, self._queue, self._stop, threads)
         try:
@@ -199,16 +225,16 @@ def _wake(q: queue.PriorityQueue, stop: threading.Event, n: int) -> None:
         q.put((-1, -1 - k, None, None, ""))
 
 
-def _work(q: queue.PriorityQueue, stop: threading.Event, current: dict) -> None:
+def _work(q: queue.PriorityQueue, stop: threading.Event, current: dict, busy: BusyClock) -> None:
     me = threading.get_ident()
     _PROGRESS[me] = time.monotonic()
     try:
-        _serve(q, stop, current, me)
+        _serve(q, stop, current, busy, me)
     finally:
         _PROGRESS.pop(me, None)
 
 
-def _serve(q: queue.PriorityQueue, stop: threading.Event, current: dict, me: int) -> None:
+def _serve(q: queue.PriorityQueue, stop: threading.Event, current: dict, busy: BusyClock, me: int) -> None:
     while not stop.is_set():
         try:
             _, _, fut, fn, what = q.get(timeout=0.5)
@@ -219,11 +245,13 @@ def _serve(q: queue.PriorityQueue, stop: threading.Event, current: dict, me: int
         if not fut.set_running_or_notify_cancel():
             continue
         current[me] = (what, time.monotonic())
+        busy.enter()
         try:
             fut.set_result(fn())
         except BaseException as e:  # delivered to the consumer, never swallowed
             fut.set_exception(e)
         finally:
+            busy.exit()
             current.pop(me, None)
             _RANGES.pop(me, None)
             _PROGRESS[me] = time.monotonic()

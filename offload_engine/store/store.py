@@ -35,7 +35,7 @@ from .disk import BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range,
 from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, choose_victim
-from .readers import DEMAND, PREFETCH, ReaderPool, reading
+from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
 from .tier import Slot, Tier
 
 ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]
@@ -53,13 +53,14 @@ class StoreStats:
     prefetch_wasted: int = 0  # prefetched and evicted unused
     prefetch_cancelled: int = 0  # prefetches dropped before they started (routing proved them stale)
     prefetch_failed: int = 0  # prefetch reads that raised (the unit is dropped; a demand read retries it)
+    read_busy: BusyClock = field(default_factory=BusyClock, repr=False)  # the reader pool's busy time
 
     def snapshot(self) -> dict:
         return {"hits": dict(self.hits), "misses": dict(self.misses), "bytes_read_disk": self.bytes_read_disk,
                 "bytes_host_to_device": self.bytes_host_to_device, "io_wait_s": self.io_wait_s,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_cancelled": self.prefetch_cancelled,
-                "prefetch_failed": self.prefetch_failed}
+                "prefetch_failed": self.prefetch_failed, "read_busy_s": self.read_busy.seconds()}
 
 
 class TieredStore:
@@ -97,7 +98,7 @@ class TieredStore:
                 for kind, n in plan.slots.items():
                     tier.allocate(kind, n, placement.sizes[kind].slot_bytes, ledger,
                                   pin_memory=cuda and tier.name == "host")
-            self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0)
+            self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0, self.stats.read_busy)
             self._load_pinned(progress)
         except BaseException:
             finish_despite_interrupts(self.close)
@@ -223,8 +224,9 @@ class TieredStore:
         self._read_disk(key, slot)
 
     # ---- slots --------------------------------------------------------------------------------------------
-    def _reserve(self, tier: Tier, key: UnitKey) -> Slot | None:
-        """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy."""
+    def _reserve(self, tier: Tier, key: UnitKey, used_before: int | None = None) -> Slot | None:
+        """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy.
+        used_before: evict only units last used before this tick (a prefetch must not push out a warm unit)."""
         with self._lock:
             pool = tier.pools.get(key.kind, [])
             for s in pool:
@@ -233,7 +235,8 @@ class TieredStore:
             slot = free[0] if free else None
             if slot is None:
                 candidates = [Usage(s.index, s.key.layer, s.last_use, s.score) for s in pool
-                              if s.refs == 0 and s.loading is None and s.key is not None]
+                              if s.refs == 0 and s.loading is None and s.key is not None
+                              and (used_before is None or s.last_use < used_before)]
                 if not candidates:
                     return None
                 # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
@@ -410,10 +413,16 @@ class TieredStore:
             return [s.loading for s in self.compute.resident.values()
                     if s.prefetched and s.loading is not None and (kind is None or s.kind == kind)]
 
-    def prefetch(self, keys: Sequence[UnitKey]) -> int:
+    @property
+    def tick(self) -> int:
+        """The use counter (one per acquired unit): what `prefetch(used_before=...)` compares with."""
+        return self._tick
+
+    def prefetch(self, keys: Sequence[UnitKey], used_before: int | None = None) -> int:
         """Best effort, asynchronous: start reads of units not yet resident into free or evictable slots. Never
-        evicts a unit in use or in flight, and never holds more than half of a kind's slots, so demand reads
-        always find room; returns how many reads it started."""
+        evicts a unit in use or in flight, nor (given `used_before`, a `tick`) one used since then, and never
+        holds more than half of a kind's slots, so demand reads always find room; returns how many reads it
+        started."""
         started = 0
         with self._lock:
             for key in keys:
@@ -422,10 +431,11 @@ class TieredStore:
                     continue
                 if len(self._prefetches_in_flight(key.kind)) >= max(1, len(pool) // 2):
                     continue
-                slot = self._reserve(self.compute, key)
+                slot = self._reserve(self.compute, key, used_before)
                 if slot is None:
-                    break
-                slot.refs, slot.prefetched = 0, True
+                    continue  # this kind's slots are all busy or warm; another kind's may not be
+                # as recent as the latest use: otherwise it keeps its victim's age and is the next victim itself
+                slot.refs, slot.prefetched, slot.last_use = 0, True, self._tick
                 slot.loading = self.pool.submit(PREFETCH, partial(self._prefetch_fill, key, slot), str(key))
                 self.stats.prefetch_issued += 1
                 started += 1
