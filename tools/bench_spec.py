@@ -36,19 +36,30 @@ PROMPTS = {
 }
 
 
+def open_engine(path: Path, budget: Budget, spec: str, depth: int | None, width: int | None,
+                draft_path: Path | None, context: int = 512) -> Engine:
+    """Opened as a user would: Engine.open(spec=...)."""
+    draft = {"draft_model": draft_path} if draft_path and spec in ("draft", "auto") else {}
+    return Engine.open(path, budget=budget, max_context=context, spec=spec, spec_depth=depth, spec_width=width,
+                       **draft)
+
+
 def run_once(path: Path, budget: Budget, spec: str, prompt: str, tokens: int, depth: int | None,
              width: int | None, draft_path: Path | None, context: int = 512) -> dict:
-    """One fresh engine (cold store) opened as a user would: Engine.open(spec=...), one greedy request."""
-    draft = {"draft_model": draft_path} if draft_path and spec in ("draft", "auto") else {}
-    with Engine.open(path, budget=budget, max_context=context, spec=spec, spec_depth=depth, spec_width=width,
-                     **draft) as engine:
-        cpu_first, finish = None, None
-        for event in engine.stream(prompt, max_new_tokens=tokens, ignore_eos=True):
-            if cpu_first is None:  # the first token comes from prefill: decode CPU time starts here
-                cpu_first = time.process_time()
-            if isinstance(event, FinishEvent):
-                finish = event
-        cpu = time.process_time() - cpu_first
+    """One fresh engine (cold store), one greedy request."""
+    with open_engine(path, budget, spec, depth, width, draft_path, context) as engine:
+        return measure(engine, spec, prompt, tokens)
+
+
+def measure(engine: Engine, spec: str, prompt: str, tokens: int) -> dict:
+    """One greedy request on an open engine."""
+    cpu_first, finish = None, None
+    for event in engine.stream(prompt, max_new_tokens=tokens, ignore_eos=True):
+        if cpu_first is None:  # the first token comes from prefill: decode CPU time starts here
+            cpu_first = time.process_time()
+        if isinstance(event, FinishEvent):
+            finish = event
+    cpu = time.process_time() - cpu_first
     st, n = finish.stats, len(finish.token_ids)
     return {"spec": spec, "tokens": finish.token_ids, "decode_tok_s": st["decode_tok_s"],
             "cpu_tok_s": (n - 1) / cpu if cpu > 0 else 0.0,
@@ -82,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--context", type=int, default=512, help="KV cache positions reserved (in the budget)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warm", action="store_true",
+                    help="one engine per mode, kept open: a warm-up request (another prompt), then the repeats on "
+                         "the same engine (a server's steady state; default: a fresh engine per run, as the CLI)")
     ap.add_argument("--spec-depth", type=int, default=None)
     ap.add_argument("--spec-width", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -93,13 +107,30 @@ def main(argv: list[str] | None = None) -> int:
     prompt = PROMPTS.get(a.prompt, a.prompt)
     specs = ["off"] + [s for s in a.specs.split(",") if s and s != "off"]
     runs: dict[str, list[dict]] = {s: [] for s in specs}
-    for _ in range(a.repeat):
+    engines: dict[str, Engine | Exception] = {}
+    if a.warm:
         for s in specs:
             try:
-                runs[s].append(run_once(path, Budget(ram=a.budget), s, prompt, a.tokens, a.spec_depth,
-                                        a.spec_width, a.draft_model, a.context))
-            except Exception as e:  # a mode this checkpoint does not support (e.g. mtp without MTP layers)
-                runs[s].append({"spec": s, "error": f"{type(e).__name__}: {e}"})
+                engines[s] = open_engine(path, Budget(ram=a.budget), s, a.spec_depth, a.spec_width, a.draft_model,
+                                         a.context)
+                measure(engines[s], s, PROMPTS["prose"], 16)
+            except Exception as e:
+                engines[s] = e
+    try:
+        for _ in range(a.repeat):
+            for s in specs:
+                try:
+                    if isinstance(engines.get(s), Exception):
+                        raise engines[s]
+                    runs[s].append(measure(engines[s], s, prompt, a.tokens) if a.warm else
+                                   run_once(path, Budget(ram=a.budget), s, prompt, a.tokens, a.spec_depth,
+                                            a.spec_width, a.draft_model, a.context))
+                except Exception as e:  # a mode this checkpoint does not support (e.g. mtp without MTP layers)
+                    runs[s].append({"spec": s, "error": f"{type(e).__name__}: {e}"})
+    finally:
+        for engine in engines.values():
+            if isinstance(engine, Engine):
+                engine.close()
     if any("error" in r for r in runs["off"]):
         print(f"error: --spec off failed: {runs['off'][0].get('error')}", file=sys.stderr)
         return 1
@@ -123,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                      "bytes_read_disk_per_token": int(statistics.median(r["bytes_read_disk_per_token"] for r in ok)),
                      "all_tok_s": [round(r["decode_tok_s"], 2) for r in ok]})
     report = {"model": str(path), "budget": a.budget, "prompt": a.prompt, "tokens": a.tokens, "repeat": a.repeat,
-              "rows": rows}
+              "warm": a.warm, "rows": rows}
     a.out.write_text(json.dumps(report, indent=2))
     if a.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{path.name}  budget {a.budget}  prompt {a.prompt!r}  {a.tokens} tokens  median of {a.repeat}")
+    print(f"{path.name}  budget {a.budget}  prompt {a.prompt!r}  {a.tokens} tokens  median of {a.repeat}"
+          f"{'  warm engines' if a.warm else ''}")
     print(f"{'spec':<7}{'tok/s':>8}{'vs off':>8}{'cpu tok/s':>11}{'vs off':>8}{'same':>6}{'acc/step':>10}"
           f"{'spec steps':>12}{'fwd':>5}{'disk B/tok':>12}   runs (tok/s)")
     for r in rows:
