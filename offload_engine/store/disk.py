@@ -174,7 +174,9 @@ def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryv
     """O_DIRECT: aligned over-reads into a page-aligned bounce buffer, then the wanted bytes into the blob.
     The page cache is bypassed, so the process's real memory stays within the budget. With `files`, failures and
     finished reads are checked against the shard's recorded identity, as in read_range."""
-    dst = memoryview(blob.numpy()).cast("B")
+    # torch copies (not memoryview slices): they release the GIL, so the compute thread keeps running while a
+    # reader moves the bounce buffer into the slot
+    src = torch.frombuffer(bounce, dtype=torch.uint8)
     pos, end = r.file_offset, r.file_offset + r.nbytes
     stuck = 0
     while pos < end:
@@ -200,7 +202,7 @@ def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryv
             continue
         stuck = 0
         at = r.blob_offset + (pos - r.file_offset)
-        dst[at:at + got] = bounce[pos - start:pos - start + got]
+        blob[at:at + got].copy_(src[pos - start:pos - start + got])
         pos += got
     if files is not None:
         files.verify(r.file, fd, r.file_offset)

@@ -306,6 +306,8 @@ class TieredStore:
         own: set[Future] = set()  # reads this call submitted (the others it found in flight)
         retried: set[UnitKey] = set()
         try:
+            if waiting:  # start the missing reads now: they proceed while the caller computes the resident units
+                self._schedule(waiting, inflight, owed, own)
             for key, slot in ready:
                 owed.discard(key)
                 yield key, self._views(slot, key)
