@@ -408,7 +408,7 @@ def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
                 f"{_fmt(off and r.stall_s_per_token and off.stall_s_per_token / r.stall_s_per_token, '8.2f'):>8} "
                 f"{r.bytes_read_disk_per_token / MB:>7.1f} {r.wasted_bytes_per_token / MB:>7.1f} "
                 f"{_fmt(p.get('recall'), '6.2f'):>6} {_fmt(p.get('precision'), '6.2f'):>6} {r.io_overlap:>7.2f}  "
-                f"{''.join('+' if v else '-' for v in (p.get('pay_check_verdicts') or [])) or '-'}")
+                f"{','.join('on' if v else 'off' for v in (p.get('pay_check_verdicts') or [])) or '-'}")
     return "\n".join(lines)
 
 

@@ -14,9 +14,10 @@
    direct I/O on: an untimed warm-up request, then a measured one of --tokens decode steps. Decode tok/s, the
    compute tier's hit rate and the prefetcher's recall count decode steps only; the CPU time other processes
    took during them is recorded (`others_cpu`, cores): above 0.25 the point is marked as contended.
-4. The planner for the same budget, context, position, direct I/O and prefetch recall (commands.calibrate, the
-   code behind `tools/plan.py --calibrate`), with uniform routing (--alpha 1: the bench weights are random), and
-   again with the engine's measured hit rate. The issue's check: predicted within +-25% of measured.
+4. The planner for the same budget, context, position, direct I/O and effective prefetch recall
+   (commands.calibrate, the code behind `tools/plan.py --calibrate`), its expected hit rates from a routing
+   trace of the model on another prompt (--trace-tokens; the planner's `--trace`, replayed through per-layer
+   caches), and again with the engine's measured hit rate. The issue's check: predicted within +-25% of measured.
 
 Prints predicted vs measured with the ratio, writes --json (default WORK_DIR/calibration.json).
 """
@@ -56,7 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budgets", default="100,25,10", help="budgets, %% of the checkpoint (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps measured per budget (default %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--alpha", type=float, default=1.0, help="locality for the prediction (1: uniform routing)")
+    ap.add_argument("--trace-tokens", type=int, default=64, metavar="N",
+                    help="record the model's routing over N tokens of another prompt and predict hit rates from it "
+                         "(default 64; 0: use --alpha instead)")
+    ap.add_argument("--alpha", type=float, default=1.0,
+                    help="locality for the prediction with --trace-tokens 0 (1: uniform routing)")
     ap.add_argument("--threads", type=int, default=0, metavar="N",
                     help="torch threads for the probe and the engine (default: torch's; 1 is steadier on a shared "
                          "machine, where multi-threaded ops stall whenever a core is taken away)")
@@ -95,12 +100,24 @@ def prompt_ids(n: int, vocab: int, salt: int) -> list[int]:
     return [(7919 * (i + 1) + 104729 * salt) % (vocab - 2) + 1 for i in range(n)]
 
 
+def record_trace(model: Path, prompt: list[int], tokens: int) -> dict:
+    """The model's routing on another prompt (every unit resident), in tools/trace_experts.py's record format:
+    the planner's expected hit rates then come from replaying it through the per-layer caches."""
+    print(f"routing trace ({tokens} tokens)...", file=sys.stderr)
+    with Engine.open(model, max_context=len(prompt) + tokens + 8) as engine:
+        engine.model.routing_trace = []
+        engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+        steps = engine.model.routing_trace
+    return {"moe_layers": sorted({layer for layer, _ in steps}), "steps": steps}
+
+
 def run_engine(model: Path, pct: float, tier: str, prompt: list[int], warm: list[int], steps: int) -> dict:
     """One engine at one budget: a warm-up request, then a measured one (decode steps only)."""
     budget = Budget(vram=f"{pct:g}%") if tier == "vram" else Budget(ram=f"{pct:g}%")
     engine = Engine.open(model, budget=budget, max_context=len(prompt) + steps + 8, direct_io="on")
     try:
-        engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
+        # as long as the measured request: the expert caches start empty, and the plan predicts a warm cache
+        engine.generate(warm, max_new_tokens=steps + 1, ignore_eos=True)
         store, meter = engine.store, Meter()
         compute = store.compute.name
         before = finish = None
@@ -155,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         tier = "vram" if torch.cuda.is_available() else "ram"
         prompt = prompt_ids(args.prompt_len, config["vocab_size"], 0)
         warm = prompt_ids(args.prompt_len, config["vocab_size"], 1)
+        trace = record_trace(model, prompt_ids(args.prompt_len, config["vocab_size"], 2), args.trace_tokens) \
+            if args.trace_tokens else None
         runs = []
         for pct in (float(b) for b in args.budgets.split(",")):
             print(f"engine at {pct:g}% ({tier})...", file=sys.stderr)
             runs.append(run_engine(model, pct, tier, prompt, warm, args.tokens))
         bench = {"model": {"path": str(model)}, "settings": {"prompt_len": args.prompt_len, "tokens": args.tokens},
                  "rows": [{"budget_pct": r["budget_pct"], "engine": r} for r in runs]}
-        rows, table = commands.calibrate(bench, str(model), profile, args.alpha)
+        rows, table = commands.calibrate(bench, str(model), profile, args.alpha, trace)
     except OffloadEngineError as e:
         if args.debug:
             raise
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join([sys.executable, *sys.argv]), "duration_s": round(time.time() - started, 1),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)), "loadavg_end": loadavg,
               "cpus": os.cpu_count(), "profile": profile.to_dict(), "model": str(model), "tier": tier,
-              "settings": bench["settings"] | {"alpha": args.alpha, "direct_io": "on",
+              "settings": bench["settings"] | {"alpha": args.alpha, "trace_tokens": args.trace_tokens, "direct_io": "on",
                                                "torch_threads": torch.get_num_threads()}, "engine": runs,
               "rows": rows, "all_within_25pct": all(r["within_25pct"] for r in rows)}
     path = Path(args.json or Path(args.work_dir) / "calibration.json")

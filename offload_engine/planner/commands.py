@@ -49,7 +49,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
     p.add_argument("--spec", default="off", choices=["off", "auto", "mtp", "ngram"], help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
     p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
-    p.add_argument("--trace", help="routing trace JSON {\"tokens\": [[[expert, ...] per MoE layer] per token]}")
+    p.add_argument("--trace", help="routing trace JSON: tools/trace_experts.py record's output, or "
+                                   "{\"tokens\": [[[expert, ...] per MoE layer] per token]}")
     p.add_argument("--alpha", type=float, default=costs.DEFAULT_ALPHA,
                    help=f"expert locality (hits = cached fraction ** alpha; 1 = uniform routing; default "
                         f"{costs.DEFAULT_ALPHA})")
@@ -276,7 +277,9 @@ def expert_hit_rate(p: Plan, overall: float) -> float:
 
 
 def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile | None,
-              alpha: float = 1.0) -> tuple[list[dict[str, Any]], str]:
+              alpha: float = 1.0, trace: Any = None) -> tuple[list[dict[str, Any]], str]:
+    """Plan every run of a bench JSON and compare with its measured decode speed. `trace`: a routing trace
+    (tools/trace_experts.py's record) for the expected hit rates instead of the locality assumption `alpha`."""
     model = model or (bench.get("model") or {}).get("path")
     if not model:
         raise ConfigError("bench JSON names no model path: pass --model DIR")
@@ -289,7 +292,10 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
     for run in bench_runs(bench):
         pct = run.get("budget_pct")
         measured = run.get("decode_tok_s", run.get("tok_s"))
-        recall = (run.get("prefetch") or {}).get("recall") or 0.0  # the prefetcher's measured recall
+        # the share of expert reads the prefetcher issued ahead (its prediction recall times the share of forwards
+        # it prefetched in: the pay check turns it off where it does not pay); older JSON: the recall alone
+        pf = run.get("prefetch") or {}
+        recall = pf.get("recall_effective", pf.get("recall")) or 0.0
         # as the run: its direct I/O when it says (tools/calibrate.py, bench's EngineRun), else bench's rule
         direct = run.get("direct_io")
         direct_io = ("on" if direct else "off") if direct is not None else (
@@ -298,9 +304,10 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
         # the budgeted tier: RAM (bench, the CPU engine) or VRAM (tools/calibrate.py on CUDA; RAM unlimited)
         tiers = {"vram": budget, "ram": 10 * total} if run.get("tier") == "vram" else {"ram": budget}
         opts = PlanOptions(**tiers, context=prompt + tokens + 8, position=prompt + tokens // 2, alpha=alpha,
-                           recall=recall, direct_io=direct_io)
+                           recall=recall, direct_io=direct_io, trace=trace)
         if pct is None:
-            opts = PlanOptions(ram=10 * total, context=opts.context, position=opts.position, alpha=alpha)
+            opts = PlanOptions(ram=10 * total, context=opts.context, position=opts.position, alpha=alpha,
+                               trace=trace)
         base = plan(shape, profile, opts)
         row = {"budget_pct": pct, "measured_tok_s": measured, "predicted_tok_s": base.expected,
                "ratio": base.expected / measured if measured else None,
@@ -314,7 +321,8 @@ def calibrate(bench: dict[str, Any], model: str | None, profile: HardwareProfile
                        disk_mb_predicted_with_hits=_mb(with_hits.steps["expected"].bytes_disk))
         row["within_25pct"] = row["ratio"] is not None and abs(row["ratio"] - 1) <= CALIBRATION_TOLERANCE
         rows.append(row)
-    lines = [f"calibration: {model} on {profile.name} (alpha {alpha:g} for the locality prediction)",
+    locality = "a routing trace" if trace is not None else f"alpha {alpha:g}"
+    lines = [f"calibration: {model} on {profile.name} ({locality} for the locality prediction)",
              f"{'budget':>8} {'measured':>10} {'predicted':>10} {'error':>8} {'ratio':>6} {'w/ hits':>10} "
              f"{'error':>8} {'others':>7} {'disk MB/token: measured / predicted / w/ hits':>46}  bottleneck"]
     for r in rows:

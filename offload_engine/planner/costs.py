@@ -13,10 +13,13 @@ A2 A unit missing from the compute tier crosses one link per tier: host -> devic
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
    nvme_latency_us / READERS + bytes / nvme_gbps.
 A3 The store's reader pool (READERS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
-A4 Overlap: reads of missing experts overlap the compute of the layer's other experts ("resident first");
-   a fraction `recall` of expert reads (the prefetcher's measured recall) and every dense-layer read (when a
-   prefetcher runs) are issued a layer ahead and overlap earlier compute. The rest stalls:
-   t = max(C + demand - min(demand_experts, C_experts_overlappable), link time).
+A4 Overlap: reads of missing experts start when the layer's routing is known and overlap only that layer's
+   compute of its other experts ("resident first"), one read after another on the link. A layer that misses n
+   of its u experts (n Poisson-distributed around the step's mean misses per layer) waits
+   max(0, n * read - (u - 1) * per_expert) (per_expert: its compute and bookkeeping; the last arrival is
+   computed after it lands). A fraction `recall` of expert reads (the prefetcher's effective recall) and every
+   dense-layer read (when a prefetcher runs) are issued a layer ahead and overlap earlier compute:
+   t = max(C + dense demand + sum of the layers' waits, link time).
 A5 With host compute, routed experts not resident on the device run on the CPU where they live (no PCIe copy):
    CPU GEMV bandwidth + cpu_op_us per op, concurrently with the GPU's work on resident experts.
 A6 Hit rates. Dense layers are scanned in order: a partial cache of n < L slots keeps n - 1 of them under
@@ -30,6 +33,7 @@ A7 Speculation: a verify step of m tokens touches the union of their experts, N 
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -38,7 +42,11 @@ from .hardware import HardwareProfile
 DEFAULT_ALPHA = 0.4
 DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router lookahead: 0.886 on Qwen3-30B-A3B)
 READERS = 4  # store.build.READER_THREADS
-ENGINE_UNIT_OPS = 35.0  # engine bookkeeping per unit in small-op equivalents (CPU engine, offload preset: 35-65)
+# engine bookkeeping per unit in small-op equivalents: fitted to the resident CPU engine on the bench checkpoint
+# (quiet machine, 1 thread, 2026-12-02: 51 ms/token, of which 31 ms GEMV at the probed 14.5 GB/s, 2 ms of the
+# units' own ops; the rest over 110 units at cpu_op_us 1.9 us: ~80; a torch profile counts ~100 aten calls per
+# unit, views and slices included). The offload preset (hidden 64) gave 35-65.
+ENGINE_UNIT_OPS = 80.0
 OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
 LINKS = ("PCIe", "NVMe")
 
@@ -141,7 +149,8 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
     h2d = {"dense": 0.0, "expert": 0.0}
     disk = {"dense": 0.0, "expert": 0.0}
     reads = {"dense": 0.0, "expert": 0.0}
-    expert_compute = overlappable = 0.0
+    expert_compute = overlappable = cpu_disk_misses = 0.0
+    layers: list[tuple[float, float, float, float]] = []  # per expert flow: (groups, misses, uses, s per use)
     for f in flows:
         side = "expert" if f.kind == "expert" else "dense"
         read = f.unit_bytes if f.compute_bytes is None else f.compute_bytes
@@ -156,6 +165,7 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
             cpu_unit += overhead_scale * ops * m.cpu_op_us * 1e-6
             cpu += missing * cpu_unit
             overlappable += max(missing * cpu_unit - (f.groups * cpu_unit if missing else 0.0), 0.0)
+            cpu_disk_misses += from_disk
         else:
             gpu_uses = f.uses
             if m.h2d_gbps is not None:
@@ -166,8 +176,9 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
         overhead += overhead_scale * (gpu_uses * ops * m.op_us + f.uses * ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
         if f.kind == "expert":
             expert_compute += gpu_uses * per_unit
-            last = f.groups * per_unit if missing > 0 and not on_cpu else 0.0  # the last arrival per layer
-            overlappable += max(gpu_uses * per_unit - last, 0.0)
+            if not on_cpu:
+                per_use = per_unit + overhead_scale * (ops * m.op_us + ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
+                layers.append((f.groups, missing, f.uses, per_use))
 
     def link_s(side: str) -> tuple[float, float]:
         pcie = h2d[side] / (m.h2d_gbps * 1e9) if m.h2d_gbps else 0.0
@@ -181,15 +192,34 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
     if cpu:  # A5: CPU experts run beside the GPU's resident experts; only the excess adds
         busy += max(0.0, cpu - expert_compute)
     ahead = recall * link_expert + (link_dense if prefetch_dense else 0.0)
-    demand_expert = (1 - recall) * link_expert
-    demand = demand_expert + (0.0 if prefetch_dense else link_dense)
-    hidden = min(demand_expert, overlappable)  # A4: resident first
-    seconds = max(busy + demand - hidden, max(pcie, nvme), ahead)
+    crossing = sum(n for _, n, _, _ in layers) + cpu_disk_misses  # expert misses that cross a link
+    read = link_expert / crossing if crossing else 0.0  # A4: one demand read's time on the link
+    waits = sum(g * layer_wait((1 - recall) * n / g, u / g, read, c) for g, n, u, c in layers)
+    # A5: disk reads of experts computed on the CPU overlap the CPU's work on the others
+    waits += max(0.0, (1 - recall) * cpu_disk_misses * read - overlappable)
+    seconds = max(busy + waits + (0.0 if prefetch_dense else link_dense), max(pcie, nvme), ahead)
     stall = seconds - busy
     parts = {"compute": compute, "overhead": overhead, "CPU experts": cpu, "PCIe": pcie, "NVMe": nvme}
     return StepCost(seconds=seconds, compute_s=compute, overhead_s=overhead, cpu_s=cpu, pcie_s=pcie, nvme_s=nvme,
                     stall_s=max(stall, 0.0), bytes_h2d=h2d["dense"] + h2d["expert"],
                     bytes_disk=disk["dense"] + disk["expert"], bottleneck=_bottleneck(parts, m))
+
+
+def layer_wait(mean_misses: float, uses: float, read_s: float, per_use_s: float) -> float:
+    """A4: expected seconds one layer waits for its demand reads: n ~ Poisson(mean_misses) of its `uses` experts
+    missing (at most all of them), read one after another (read_s each) while it computes the others
+    (per_use_s each, resident first; the last arrival after it lands)."""
+    if mean_misses <= 0 or read_s <= 0 or uses <= 0:
+        return 0.0
+    top = max(1, math.ceil(uses))
+    pmf, total, mass = math.exp(-mean_misses), 0.0, 0.0
+    for n in range(top + 1):
+        p = pmf if n < top else max(0.0, 1.0 - mass)  # the tail beyond `top` misses counts as all missing
+        if n:
+            total += p * max(0.0, n * read_s - max(uses - 1.0, 0.0) * per_use_s)
+        mass += pmf
+        pmf *= mean_misses / (n + 1)
+    return total
 
 
 def _bottleneck(parts: dict[str, float], m: Machine) -> str:

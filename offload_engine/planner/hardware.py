@@ -155,11 +155,20 @@ def measure_gemv(device: str = "cpu", quick: bool = False) -> tuple[float, float
     cuda = device != "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else None
-    rows = 4096 if quick else (16384 if cuda else 8192)
-    w = torch.randn(rows, 8192, dtype=dtype, device=device)
-    x = torch.randn(1, 8192, dtype=dtype, device=device)
-    F.linear(x, w)
-    gbps = w.numel() * w.element_size() / _best_seconds(lambda: F.linear(x, w), 5, sync) / 1e9
+    if cuda:
+        rows = 4096 if quick else 16384
+        w = torch.randn(rows, 8192, dtype=dtype, device=device)
+        x = torch.randn(1, 8192, dtype=dtype, device=device)
+        F.linear(x, w)
+        gbps = w.numel() * w.element_size() / _best_seconds(lambda: F.linear(x, w), 5, sync) / 1e9
+    else:
+        # decode-sized matrices (4 MiB, as experts' are: 1-56 MiB in fp32), cycled through a pool larger than the
+        # caches: one large matrix streams faster per byte than the many small ones a decode step multiplies
+        ws = [torch.randn(1024, 1024, dtype=dtype) for _ in range(16 if quick else 64)]
+        x = torch.randn(1, 1024, dtype=dtype)
+        F.linear(x, ws[0])
+        gbps = sum(w.numel() * w.element_size() for w in ws) / _best_seconds(
+            lambda: [F.linear(x, w) for w in ws], 5, sync) / 1e9
     tw, tx, reps = torch.randn(64, 64, device=device), torch.randn(1, 64, device=device), 2000
     op_us = _best_seconds(lambda: [F.linear(tx, tw) for _ in range(reps)], 3, sync) / reps * 1e6
     return gbps, op_us
@@ -214,7 +223,7 @@ def probe(directory: str | os.PathLike = ".", name: str | None = None, read_byte
                             f"file in {Path(directory).resolve()}; {where}",
                "nvme_latency_us": f"one 4 KiB read, {disk.method}; {where}",
                "ram_gbps": f"{memcpy.method}; {where}", "cpu_gflops": f"fp32 {gemm.n}^3 matmul; {where}",
-               "cpu_gemv_gbps": f"fp32 [rows x 8192] @ [1 x 8192], weight bytes / time; {where}",
+               "cpu_gemv_gbps": f"fp32 [1 x 1024] @ 64 x [1024 x 1024] (4 MiB each), weight bytes / time; {where}",
                "cpu_op_us": f"F.linear [1x64]x[64x64], per call; {where}"}
     description = f"probed: {platform.machine()}, {os.cpu_count()} CPUs"
     if torch.cuda.is_available():

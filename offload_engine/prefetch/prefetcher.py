@@ -117,6 +117,7 @@ class Prefetcher:
         self.pay = PayCheck() if config.adaptive else None
         self._stream_dense = store.placement.home("dense") == "disk"
         self._forward_ticks = (0, 0)  # store ticks at the start of the previous and of the current forward
+        self._forwards = [0, 0]  # forwards so far, of which with expert prefetching on
 
     def after_attention(self, layer: int, x: torch.Tensor) -> None:
         if not self.config.enabled:
@@ -125,6 +126,8 @@ class Prefetcher:
             self._forward_ticks = (self._forward_ticks[1], self.store.tick)
             if self.pay is not None:
                 self.expert_prefetch = self.pay.forward_started(x.shape[0])
+            self._forwards[0] += 1
+            self._forwards[1] += self.expert_prefetch
         if self._stream_dense:  # certain: the next layers' dense units, one layer beyond the expert horizon
             ahead = [UnitKey(l, "dense") for l in range(layer + 1, min(layer + 2 + self.config.depth,
                                                                        self.num_layers))]
@@ -147,5 +150,11 @@ class Prefetcher:
         self.store.cancel_prefetch([UnitKey(layer, "expert", e) for e in predicted - actual])
 
     def summary(self) -> dict:
+        metrics = self.metrics.summary()
+        on_share = self._forwards[1] / self._forwards[0] if self._forwards[0] else 0.0
+        # recall / precision score the forwards that predicted; recall_effective is what the planner's A4 means:
+        # the share of routed experts whose reads were issued ahead, over every forward
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
-                "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None, **self.metrics.summary()}
+                "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
+                "forwards_with_expert_prefetch": on_share, "recall_effective": metrics["recall"] * on_share,
+                **metrics}
