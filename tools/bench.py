@@ -140,14 +140,16 @@ def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
-               progress: bool, quiet: float = 0.0, prefetch: str = "adaptive") -> EngineRun:
+               progress: bool, quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None
+               ) -> EngineRun:
     """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
     warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill."""
     budget = Budget() if pct is None else Budget(ram=f"{pct:g}%")
     direct = "auto" if pct is None or pct >= 100 else "on"
     start = time.perf_counter()
     options = {} if prefetch == "adaptive" else {"prefetch": PREFETCH_MODES[prefetch]}
-    engine = Engine.open(model, budget=budget, max_context=len(prompt) + steps + 8, direct_io=direct, **options)
+    engine = Engine.open(model, budget=budget, max_context=context or len(prompt) + steps + 8, direct_io=direct,
+                         **options)
     open_s = time.perf_counter() - start
     try:
         engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
@@ -483,6 +485,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budgets", default="100,50,25,10", help="RAM budgets, %% of the model's bytes")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps (after the prefill's token)")
     ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--context", type=int, default=None,
+                    help="KV positions the engine reserves in its budget (default: prompt + tokens + 8)")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                     help="also run transformers + accelerate disk offload")
     ap.add_argument("--peer-page-cache", default="both", choices=("bypass", "allow", "both"))
@@ -528,11 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
     resident = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                          args.prefetch[0])
+                          args.prefetch[0], args.context)
     rows_raw, by_mode = [], {}
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
         by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                                         mode) for mode in args.prefetch}
+                                         mode, args.context) for mode in args.prefetch}
         engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
@@ -550,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine, "loadavg_end": os.getloadavg()}, "versions": versions(),
         "engine_source": source_state(), "model": info,
         "settings": {"budgets": budgets, "tokens": args.tokens, "prompt_len": args.prompt_len, "peer": args.peer,
+                     "context": args.context,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
                      "prefetch_modes": args.prefetch},
