@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
     run.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
     run.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
+    run.add_argument("--threads", default="auto", metavar="N|auto",
+                     help="torch intra-op threads; auto (default): one core fewer than the machine while weights "
+                          "stream (the reader threads need it), torch's default otherwise")
     run.add_argument("--stall-timeout", type=float, metavar="SECONDS",
                      help="fail a request when no checkpoint read makes progress for this long (default 60)")
     run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
@@ -120,20 +123,42 @@ def _prefetch_config(args: argparse.Namespace) -> Any:
     return args.prefetch != "off" and PrefetchConfig(depth=args.prefetch_depth, adaptive=args.prefetch == "adaptive")
 
 
+def _set_compute_threads(threads: str, engine: Any) -> None:
+    """--threads: torch's intra-op threads for this process. auto: one core fewer than the machine has while
+    weights stream, all of them otherwise. The reader threads copy units while the layers compute, and an
+    OpenMP team that shares its cores with them stalls at every barrier (docs/PERF.md: 2 threads on this 2-core
+    machine decoded the demo model at 93 tok/s, 1 thread at 187)."""
+    import os
+
+    import torch
+
+    if threads != "auto":
+        torch.set_num_threads(int(threads))
+        return
+    placement = engine.placement
+    if any(placement.home(kind) == "disk" for kind in placement.sizes):
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
     from .config import Budget
     from .defaults import default_model_path
+    from .errors import ConfigError
 
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
     model = args.model or default_model_path()
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
     # between this assignment and the `try`
     engine = Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
                          max_context=args.context, policy=args.policy, direct_io=args.direct_io,
                          allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
-                         prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec, spec_depth=args.spec_depth, spec_width=args.spec_width,
-                         draft_model=args.draft_model, draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
+                         prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec,
+                         spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
+                         draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
     try:
+        _set_compute_threads(args.threads, engine)
         return _generate(engine, args)
     finally:
         engine.close()

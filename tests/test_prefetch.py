@@ -156,3 +156,6 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
     assert "bad.json" in capsys.readouterr().err
     assert main(base + ["--prefetch-depth", "0"]) != 0
     assert "--prefetch-depth" in capsys.readouterr().err
+    assert main(base + ["--threads", "0"]) != 0
+    assert "--threads" in capsys.readouterr().err
+    assert main(base + ["--threads", "1"]) == 0 and torch.get_num_threads() == 1
