@@ -244,7 +244,24 @@ def test_a_layer_waits_for_the_reads_its_other_experts_do_not_cover():
     expected = sum(math.exp(-mean) * mean ** n / math.factorial(n) * max(0.0, n * r - 7 * c) for n in range(1, 8))
     tail = 1.0 - sum(math.exp(-mean) * mean ** n / math.factorial(n) for n in range(8))
     assert costs.layer_wait(mean, 8, r, c) == pytest.approx(expected + tail * (8 * r - 7 * c))
-    assert costs.layer_wait(mean, 8, 0.1, c) == 0.0  # reads shorter than the other experts' compute: hidden
+    # reads shorter than the other experts' compute are hidden, but for the rare step that misses all 8
+    assert costs.layer_wait(mean, 8, 0.1, c) == pytest.approx(0.0, abs=1e-5)
+    hist = (0.5, 0.3, 0.0, 0.2)  # a trace's own counts: bursts of 3 misses weigh more than Poisson's tail
+    assert costs.layer_wait(9.9, 8, r, c, hist) == pytest.approx(0.3 * (r - 7 * c) + 0.2 * (3 * r - 7 * c))
+    # half of them read ahead: 0.5 and 1.5 demand reads (a lone half read still waits beyond 7.5 experts' work)
+    assert costs.layer_wait(9.9, 8, r, c, hist, demand_share=0.5) == pytest.approx(
+        0.3 * (r - 7.5 * c) + 0.2 * (1.5 * r - 7 * c))
+    # every expert missing, reads faster than compute: the first arrival still waits a whole read
+    assert costs.layer_wait(9.9, 8, 0.1, c, (0.0,) * 8 + (1.0,)) == pytest.approx(0.1)
+
+
+def test_trace_miss_histogram_counts_misses_per_layer_and_token():
+    # two MoE layers, per-layer LRU of 2 slots: layer 0 cycles through 3 experts (misses), layer 1 repeats 2
+    tokens = [[[0, 1], [5, 6]], [[2, 0], [5, 6]], [[1, 2], [6, 5]]]
+    hist = costs.trace_miss_histogram({"tokens": tokens}, 2)
+    misses = [2, 2, 2, 0, 2, 0]  # per (token, layer) in order: layer 0 always misses both, layer 1 only at first
+    assert hist == tuple(misses.count(n) / 6 for n in range(3))
+    assert costs.simulate_trace({"tokens": tokens}, 2, 0)[0] == pytest.approx(1 - sum(misses) / 12)
 
 
 def test_prefetch_recall_hides_reads_behind_compute():

@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budgets", default="100,25,10", help="budgets, %% of the checkpoint (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps measured per budget (default %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--trace-tokens", type=int, default=64, metavar="N",
-                    help="record the model's routing over N tokens of another prompt and predict hit rates from it "
-                         "(default 64; 0: use --alpha instead)")
+    ap.add_argument("--trace-tokens", type=int, default=32, metavar="N",
+                    help="record the model's routing over two requests of N tokens on other prompts and predict hit "
+                         "rates from it (default 32; 0: use --alpha instead)")
     ap.add_argument("--alpha", type=float, default=1.0,
                     help="locality for the prediction with --trace-tokens 0 (1: uniform routing)")
     ap.add_argument("--threads", type=int, default=0, metavar="N",
@@ -100,13 +100,16 @@ def prompt_ids(n: int, vocab: int, salt: int) -> list[int]:
     return [(7919 * (i + 1) + 104729 * salt) % (vocab - 2) + 1 for i in range(n)]
 
 
-def record_trace(model: Path, prompt: list[int], tokens: int) -> dict:
-    """The model's routing on another prompt (every unit resident), in tools/trace_experts.py's record format:
-    the planner's expected hit rates then come from replaying it through the per-layer caches."""
-    print(f"routing trace ({tokens} tokens)...", file=sys.stderr)
-    with Engine.open(model, max_context=len(prompt) + tokens + 8) as engine:
+def record_trace(model: Path, prompts: list[list[int]], tokens: int) -> dict:
+    """The model's routing over consecutive requests on other prompts (every unit resident), in
+    tools/trace_experts.py's record format: the planner's expected hit rates then come from replaying it through
+    the per-layer caches, cache churn from one prompt to the next included (the measured request follows a
+    warm-up request on another prompt)."""
+    print(f"routing trace ({len(prompts)} requests of {tokens} tokens)...", file=sys.stderr)
+    with Engine.open(model, max_context=max(len(p) for p in prompts) + tokens + 8) as engine:
         engine.model.routing_trace = []
-        engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
         steps = engine.model.routing_trace
     return {"moe_layers": sorted({layer for layer, _ in steps}), "steps": steps}
 
@@ -172,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         tier = "vram" if torch.cuda.is_available() else "ram"
         prompt = prompt_ids(args.prompt_len, config["vocab_size"], 0)
         warm = prompt_ids(args.prompt_len, config["vocab_size"], 1)
-        trace = record_trace(model, prompt_ids(args.prompt_len, config["vocab_size"], 2), args.trace_tokens) \
-            if args.trace_tokens else None
+        trace = record_trace(model, [prompt_ids(args.prompt_len, config["vocab_size"], salt) for salt in (2, 3)],
+                             args.trace_tokens) if args.trace_tokens else None
         runs = []
         for pct in (float(b) for b in args.budgets.split(",")):
             print(f"engine at {pct:g}% ({tier})...", file=sys.stderr)

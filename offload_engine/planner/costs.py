@@ -11,13 +11,16 @@ A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight 
    on the CPU engine with a model whose weights are negligible). Attention also reads the KV cache.
 A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
-   nvme_latency_us / READERS + bytes / nvme_gbps.
+   nvme_latency_us / READERS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O (the reader copies each
+   O_DIRECT chunk from its aligned bounce buffer into the slot before reading the next).
 A3 The store's reader pool (READERS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
 A4 Overlap: reads of missing experts start when the layer's routing is known and overlap only that layer's
    compute of its other experts ("resident first"), one read after another on the link. A layer that misses n
-   of its u experts (n Poisson-distributed around the step's mean misses per layer) waits
-   max(0, n * read - (u - 1) * per_expert) (per_expert: its compute and bookkeeping; the last arrival is
-   computed after it lands). A fraction `recall` of expert reads (the prefetcher's effective recall) and every
+   of its u experts (n as counted replaying a routing trace through the caches when one is given, else
+   Poisson-distributed around the step's mean misses per layer) waits
+   max(0, n * read - (u - 1) * per_expert, read - (u - n) * per_expert) (per_expert: its compute and
+   bookkeeping; the resident ones first, then each arrival as it lands: the last arrival, or the first one when
+   there is too little resident work to cover it, sets the end). A fraction `recall` of expert reads (the prefetcher's effective recall) and every
    dense-layer read (when a prefetcher runs) are issued a layer ahead and overlap earlier compute:
    t = max(C + dense demand + sum of the layers' waits, link time).
 A5 With host compute, routed experts not resident on the device run on the CPU where they live (no PCIe copy):
@@ -36,6 +39,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
+from typing import Iterator, Sequence
 
 from .hardware import HardwareProfile
 
@@ -66,6 +70,7 @@ class Flow:
     p_host: float  # found on the host tier, not on the compute tier
     groups: int = 1  # layers the uses are spread over (overlap is within a layer)
     compute_bytes: float | None = None  # bytes one use reads when computed (default unit_bytes; embedding: a row)
+    miss_hist: tuple[float, ...] | None = None  # experts: P(a layer misses n of its uses), n = 0, 1, ... (A4)
 
     @property
     def p_disk(self) -> float:
@@ -140,9 +145,10 @@ def accepted_per_step(drafts: int, accept: float) -> float:
 
 def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, host_compute: bool = False,
               kv_read_bytes: float = 0.0, prefetch_dense: bool | None = None,
-              overhead_scale: float = 1.0) -> StepCost:
+              overhead_scale: float = 1.0, bounce_gbps: float | None = None) -> StepCost:
     """Seconds for one step (A1-A5). `kv_read_bytes`: KV cache bytes attention reads in the step;
-    `overhead_scale` multiplies every dispatch and bookkeeping cost (0: the bound the hardware sets)."""
+    `overhead_scale` multiplies every dispatch and bookkeeping cost (0: the bound the hardware sets);
+    `bounce_gbps`: with direct I/O, the rate of the reader's bounce-buffer copy (A2)."""
     prefetch_dense = recall > 0 if prefetch_dense is None else prefetch_dense
     compute = kv_read_bytes / (m.weight_gbps * 1e9)
     overhead = cpu = 0.0
@@ -150,7 +156,8 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
     disk = {"dense": 0.0, "expert": 0.0}
     reads = {"dense": 0.0, "expert": 0.0}
     expert_compute = overlappable = cpu_disk_misses = 0.0
-    layers: list[tuple[float, float, float, float]] = []  # per expert flow: (groups, misses, uses, s per use)
+    layers: list[tuple[float, float, float, float, tuple[float, ...] | None]] = []  # per expert flow:
+    # (groups, misses, uses, seconds per use, miss histogram)
     for f in flows:
         side = "expert" if f.kind == "expert" else "dense"
         read = f.unit_bytes if f.compute_bytes is None else f.compute_bytes
@@ -178,11 +185,13 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
             expert_compute += gpu_uses * per_unit
             if not on_cpu:
                 per_use = per_unit + overhead_scale * (ops * m.op_us + ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
-                layers.append((f.groups, missing, f.uses, per_use))
+                layers.append((f.groups, missing, f.uses, per_use, f.miss_hist))
 
     def link_s(side: str) -> tuple[float, float]:
         pcie = h2d[side] / (m.h2d_gbps * 1e9) if m.h2d_gbps else 0.0
         nvme = disk[side] / (m.nvme_gbps * 1e9) + reads[side] * m.nvme_latency_us * 1e-6 / READERS
+        if bounce_gbps:
+            nvme += disk[side] / (bounce_gbps * 1e9)
         return pcie, nvme
 
     (pcie_d, nvme_d), (pcie_e, nvme_e) = link_s("dense"), link_s("expert")
@@ -192,9 +201,10 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
     if cpu:  # A5: CPU experts run beside the GPU's resident experts; only the excess adds
         busy += max(0.0, cpu - expert_compute)
     ahead = recall * link_expert + (link_dense if prefetch_dense else 0.0)
-    crossing = sum(n for _, n, _, _ in layers) + cpu_disk_misses  # expert misses that cross a link
+    crossing = sum(n for _, n, _, _, _ in layers) + cpu_disk_misses  # expert misses that cross a link
     read = link_expert / crossing if crossing else 0.0  # A4: one demand read's time on the link
-    waits = sum(g * layer_wait((1 - recall) * n / g, u / g, read, c) for g, n, u, c in layers)
+    waits = sum(g * layer_wait((1 - recall) * n / g, u / g, read, c, hist, 1 - recall)
+                for g, n, u, c, hist in layers)
     # A5: disk reads of experts computed on the CPU overlap the CPU's work on the others
     waits += max(0.0, (1 - recall) * cpu_disk_misses * read - overlappable)
     seconds = max(busy + waits + (0.0 if prefetch_dense else link_dense), max(pcie, nvme), ahead)
@@ -205,10 +215,17 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
                     bytes_disk=disk["dense"] + disk["expert"], bottleneck=_bottleneck(parts, m))
 
 
-def layer_wait(mean_misses: float, uses: float, read_s: float, per_use_s: float) -> float:
-    """A4: expected seconds one layer waits for its demand reads: n ~ Poisson(mean_misses) of its `uses` experts
-    missing (at most all of them), read one after another (read_s each) while it computes the others
-    (per_use_s each, resident first; the last arrival after it lands)."""
+def layer_wait(mean_misses: float, uses: float, read_s: float, per_use_s: float,
+               hist: Sequence[float] | None = None, demand_share: float = 1.0) -> float:
+    """A4: expected seconds one layer waits for its demand reads: n of its `uses` experts missing, read one
+    after another (read_s each) while it computes the others (per_use_s each, resident first; the last arrival
+    after it lands). n ~ Poisson(mean_misses), at most all of them; or, given `hist` (P(n) from a routing
+    trace), as the trace has it, a share `demand_share` of those reads being demand reads (the rest prefetched)."""
+    def wait(n: float) -> float:
+        return max(0.0, n * read_s - max(uses - 1.0, 0.0) * per_use_s, read_s - max(uses - n, 0.0) * per_use_s)
+
+    if hist is not None:
+        return sum(p * wait(n * demand_share) for n, p in enumerate(hist) if n)
     if mean_misses <= 0 or read_s <= 0 or uses <= 0:
         return 0.0
     top = max(1, math.ceil(uses))
@@ -216,7 +233,7 @@ def layer_wait(mean_misses: float, uses: float, read_s: float, per_use_s: float)
     for n in range(top + 1):
         p = pmf if n < top else max(0.0, 1.0 - mass)  # the tail beyond `top` misses counts as all missing
         if n:
-            total += p * max(0.0, n * read_s - max(uses - 1.0, 0.0) * per_use_s)
+            total += p * wait(min(n, uses))
         mass += pmf
         pmf *= mean_misses / (n + 1)
     return total
@@ -260,19 +277,18 @@ def _trace_tokens(trace) -> list[list[list[int]]]:
     return tokens
 
 
-def simulate_trace(trace, device_share: int, host_share: int) -> tuple[float, float]:
-    """(p_device, p_host including device) of a per-layer LRU with `device_share` / `host_share` slots per layer
-    (the layer-lru partition; the host cache is inclusive: every read passes through it)."""
+def _replay(trace, device_share: int, host_share: int) -> Iterator[tuple[int, int, int]]:
+    """(uses, device hits, host hits including device) per token and MoE layer of the trace, through a
+    per-layer LRU with `device_share` / `host_share` slots per layer (the layer-lru partition; the host cache is
+    inclusive: every read passes through it)."""
     from collections import OrderedDict
 
-    tokens = _trace_tokens(trace)
     caches: dict[int, tuple[OrderedDict, OrderedDict]] = {}
-    uses = dev_hits = host_hits = 0
-    for token in tokens:
+    for token in _trace_tokens(trace):
         for layer, experts in enumerate(token):
             dev, host = caches.setdefault(layer, (OrderedDict(), OrderedDict()))
+            dev_hits = host_hits = 0
             for e in experts:
-                uses += 1
                 dev_hits += e in dev
                 host_hits += e in dev or e in host
                 for cache, cap in ((dev, device_share), (host, host_share)):
@@ -282,7 +298,25 @@ def simulate_trace(trace, device_share: int, host_share: int) -> tuple[float, fl
                     cache.move_to_end(e)
                     while len(cache) > cap:
                         cache.popitem(last=False)
+            yield len(experts), dev_hits, host_hits
+
+
+def simulate_trace(trace, device_share: int, host_share: int) -> tuple[float, float]:
+    """(p_device, p_host including device) of the trace replayed through the per-layer caches."""
+    uses = dev_hits = host_hits = 0
+    for u, d, h in _replay(trace, device_share, host_share):
+        uses, dev_hits, host_hits = uses + u, dev_hits + d, host_hits + h
     return (dev_hits / uses, host_hits / uses) if uses else (0.0, 0.0)
+
+
+def trace_miss_histogram(trace, device_share: int) -> tuple[float, ...]:
+    """P(n): the share of the trace's (token, MoE layer) steps that miss n experts in the compute tier's
+    per-layer cache (A4 with the trace's own burstiness: misses cluster on some layers and tokens)."""
+    counts: dict[int, int] = {}
+    for u, d, _ in _replay(trace, device_share, 0):
+        counts[u - d] = counts.get(u - d, 0) + 1
+    total = sum(counts.values())
+    return tuple(counts.get(n, 0) / total for n in range(max(counts) + 1)) if total else (1.0,)
 
 
 def trace_union(trace, max_tokens: int) -> list[float]:

@@ -389,7 +389,7 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
             host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize),
-            overhead_scale=o.overhead_scale)
+            overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None)
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
     if info is not None:
         info.update(accepted_per_step=costs.accepted_per_step(drafts, accept), drafts=drafts, accept=accept)
@@ -500,8 +500,12 @@ def step_flows(shape: ModelShape, placement: Placement, units: Mapping[UnitKey, 
         union = (costs.trace_union(o.trace, tokens)[-1] if o.trace is not None and tokens > 1
                  else costs.expert_union(N, k, tokens))
         b, p = shape.mean_unit("expert", units)
+        p_dev = hits["expert"][0]
+        # decode with a trace: the trace's own misses per layer and token (A4), at the compute tier's share
+        hist = (costs.trace_miss_histogram(o.trace, placement.compute.slots.get("expert", 0) // len(moe))
+                if o.trace is not None and not o.stats and tokens == 1 and 0.0 < p_dev < 1.0 else None)
         flows.append(costs.Flow("expert", len(moe) * union, b, p, tokens * k / union, *hits["expert"],
-                                groups=len(moe)))
+                                groups=len(moe), miss_hist=hist))
     if mtp_drafts:
         b, p = shape.mean_unit("mtp", units, mtp=True)
         flows.append(costs.Flow("mtp", mtp_drafts, b, p, 1, *hits["mtp"]))
