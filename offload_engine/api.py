@@ -262,7 +262,7 @@ class Engine:
             "decode_tok_s": finish.decode_tokens_per_s,
             **store,
             "bytes_read_disk_per_token": store["bytes_read_disk"] / max(n, 1),
-            "stall_s_per_token": store["io_wait_s"] / max(n, 1),
+            "stall_s_per_token": store["io_wait_s"] / max(n, 1),  # the request's waits (prefill's too) per token
             # share of the readers' busy time the compute thread did not wait through (I/O hidden by compute)
             "io_overlap": (max(0.0, 1.0 - store["io_wait_s"] / store["read_busy_s"])
                            if store["read_busy_s"] > 0 else 1.0),

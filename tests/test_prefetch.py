@@ -150,12 +150,52 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
         assert out["stats"]["prefetch"]["enabled"] is enabled
         outputs.append(out["token_ids"])
     assert outputs[0] == outputs[1]
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"counts": {}}')
-    assert main(base + ["--trace", str(bad)]) != 0
-    assert "bad.json" in capsys.readouterr().err
+    for text in ('{"counts": {}}', '{"steps": {"12": 40}}'):  # no steps; an older format's dict
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert main(base + ["--trace", str(bad)]) != 0
+        assert "bad.json" in capsys.readouterr().err
     assert main(base + ["--prefetch-depth", "0"]) != 0
     assert "--prefetch-depth" in capsys.readouterr().err
     assert main(base + ["--threads", "0"]) != 0
     assert "--threads" in capsys.readouterr().err
     assert main(base + ["--threads", "1"]) == 0 and torch.get_num_threads() == 1
+
+
+def wait_landed(store, key: UnitKey, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slot = store.compute.resident.get(key)
+        if slot is not None and slot.loading is None:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{key} did not land")
+
+
+def test_store_prefetch_spares_unused_prefetches_and_acquire_reads_before_it_yields():
+    """The bundled model at 18% streams its dense units through two slots (one in use): reading the layer
+    after next must not evict the next layer's prefetched, unused unit; and acquire starts the read of a
+    missing unit before it hands out the resident ones."""
+    from offload_engine.defaults import default_model_path
+
+    with Engine.open(default_model_path(), budget=Budget(ram="18%"), max_context=64, prefetch=False) as engine:
+        store = engine.store
+        assert store.placement.home("dense") == "disk" and store.placement.compute.slots["dense"] == 2
+        d0, d1, d2 = (UnitKey(layer, "dense") for layer in range(3))
+        store.prefetch([d0])
+        wait_landed(store, d0)
+        store.prefetch([d1])
+        wait_landed(store, d1)
+        held = store.acquire([d0])
+        next(held)  # layer 0 in use, layer 1 prefetched and not used yet: no slot to spare
+        assert store.prefetch([d2]) == 0 and d1 in store.compute.resident
+        store.release([d0])
+        held.close()
+        acquiring = store.acquire([d1, d2])  # d1 resident, d2 missing
+        key, _ = next(acquiring)
+        assert key == d1 and store.compute.resident[d2].loading is not None  # d2's read already started
+        store.release([d1])
+        key, _ = next(acquiring)
+        assert key == d2
+        store.release([d2])
+        assert next(acquiring, None) is None

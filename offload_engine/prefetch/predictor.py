@@ -66,7 +66,11 @@ class FrequencyPrior:
         token]], ...]}; each token's routing counts as one step of its layer."""
         try:
             data = json.loads(Path(path).read_text())
-            for layer, per_token in data["steps"]:
+            steps = data["steps"]
+            if not isinstance(steps, list) or not all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], list)
+                                                      for s in steps):
+                raise ValueError('"steps" is not a list of [layer, [[expert, ...] per token]] pairs')
+            for layer, per_token in steps:
                 for token in per_token:
                     self.observe(int(layer), [int(e) for e in token])
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -83,7 +83,8 @@ class PayCheck:
     def forward_started(self, tokens: int) -> bool:
         """Called as each forward starts; returns whether it prefetches experts."""
         now = self.clock()
-        if self._started is not None and self._phase != "hold":
+        # timed up to the next single-token forward only: a prefill closing it would add the gap between requests
+        if self._started is not None and tokens == 1 and self._phase != "hold":
             self._times[self.on].append(now - self._started)
         self._started = now if tokens == 1 else None  # prefill and verification passes are not timed
         if tokens == 1:

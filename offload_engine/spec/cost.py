@@ -250,12 +250,16 @@ class CostModel:
 
     def _judge(self, name: str, seconds: float, tokens: int) -> None:
         r = self._realized.setdefault(name, _Realized())
-        r.steps.append((seconds, tokens))
-        if len(r.steps) < REALIZED_WINDOW or self._plain_step.count < 4:
+        r.steps = (r.steps + [(seconds, tokens)])[-REALIZED_WINDOW:]
+        if len(r.steps) < REALIZED_WINDOW:
             return
-        if r.seconds_per_token() > self._plain_step.value:  # slower than not speculating at all
+        # against the median plain step, or while too few plain steps were timed, the model's own t(1)
+        plain = self._plain_step.value if self._plain_step.count >= 4 else self.forward_time(1)
+        if r.seconds_per_token() > plain:  # slower than not speculating at all
             r.benched_until, r.bench = self._step + r.bench, 2 * r.bench
-        r.steps.clear()
+            r.steps.clear()
+        else:
+            r.bench = BENCH_FIRST
 
     def benched(self, name: str) -> bool:
         r = self._realized.get(name)

@@ -224,9 +224,12 @@ class TieredStore:
         self._read_disk(key, slot)
 
     # ---- slots --------------------------------------------------------------------------------------------
-    def _reserve(self, tier: Tier, key: UnitKey, used_before: int | None = None) -> Slot | None:
+    def _reserve(self, tier: Tier, key: UnitKey, used_before: int | None = None,
+                 prefetching: bool = False) -> Slot | None:
         """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy.
-        used_before: evict only units last used before this tick (a prefetch must not push out a warm unit)."""
+        For a prefetch (`prefetching`): never a unit prefetched and not used yet (reading the layer after next
+        must not throw away the next layer's unit), and with `used_before` only units last used before that
+        tick (a wrong guess must not push out a warm unit)."""
         with self._lock:
             pool = tier.pools.get(key.kind, [])
             for s in pool:
@@ -236,6 +239,7 @@ class TieredStore:
             if slot is None:
                 candidates = [Usage(s.index, s.key.layer, s.last_use, s.score) for s in pool
                               if s.refs == 0 and s.loading is None and s.key is not None
+                              and not (prefetching and s.prefetched)
                               and (used_before is None or s.last_use < used_before)]
                 if not candidates:
                     return None
@@ -425,17 +429,18 @@ class TieredStore:
         evicts a unit in use or in flight, nor (given `used_before`, a `tick`) one used since then, and never
         holds more than half of a kind's slots, so demand reads always find room; returns how many reads it
         started."""
-        started = 0
+        started, full = 0, set()  # kinds with no slot to spare in this call
         with self._lock:
             for key in keys:
                 pool = self.compute.pools.get(key.kind)
-                if key in self.compute.resident or not pool:
+                if key in self.compute.resident or not pool or key.kind in full:
                     continue
                 if len(self._prefetches_in_flight(key.kind)) >= max(1, len(pool) // 2):
                     continue
-                slot = self._reserve(self.compute, key, used_before)
+                slot = self._reserve(self.compute, key, used_before, prefetching=True)
                 if slot is None:
-                    continue  # this kind's slots are all busy or warm; another kind's may not be
+                    full.add(key.kind)  # this kind's slots are all busy or warm; another kind's may not be
+                    continue
                 # as recent as the latest use: otherwise it keeps its victim's age and is the next victim itself
                 slot.refs, slot.prefetched, slot.last_use = 0, True, self._tick
                 slot.loading = self.pool.submit(PREFETCH, partial(self._prefetch_fill, key, slot), str(key))
