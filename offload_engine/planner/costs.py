@@ -20,8 +20,9 @@ A4 Overlap: reads of missing experts start when the layer's routing is known and
    Poisson-distributed around the step's mean misses per layer) waits
    max(0, n * read - (u - 1) * per_expert, read - (u - n) * per_expert) (per_expert: its compute and
    bookkeeping; the resident ones first, then each arrival as it lands: the last arrival, or the first one when
-   there is too little resident work to cover it, sets the end). A fraction `recall` of expert reads (the prefetcher's effective recall) and every
-   dense-layer read (when a prefetcher runs) are issued a layer ahead and overlap earlier compute:
+   there is too little resident work to cover it, sets the end). A fraction `recall` of expert reads (the
+   prefetcher's effective recall) and every dense-layer read (when a prefetcher runs) are issued a layer ahead
+   and overlap earlier compute:
    t = max(C + dense demand + sum of the layers' waits, link time).
 A5 With host compute, routed experts not resident on the device run on the CPU where they live (no PCIe copy):
    CPU GEMV bandwidth + cpu_op_us per op, concurrently with the GPU's work on resident experts.
@@ -218,9 +219,10 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
 def layer_wait(mean_misses: float, uses: float, read_s: float, per_use_s: float,
                hist: Sequence[float] | None = None, demand_share: float = 1.0) -> float:
     """A4: expected seconds one layer waits for its demand reads: n of its `uses` experts missing, read one
-    after another (read_s each) while it computes the others (per_use_s each, resident first; the last arrival
-    after it lands). n ~ Poisson(mean_misses), at most all of them; or, given `hist` (P(n) from a routing
-    trace), as the trace has it, a share `demand_share` of those reads being demand reads (the rest prefetched)."""
+    after another (read_s each) while it computes the others (per_use_s each, resident first, then each arrival
+    as it lands: the last arrival, or the first when too little resident work covers it, sets the end).
+    n ~ Poisson(mean_misses), at most all of them; or, given `hist` (P(n) from a routing trace), as the trace
+    has it, a share `demand_share` of those reads being demand reads (the rest prefetched)."""
     def wait(n: float) -> float:
         return max(0.0, n * read_s - max(uses - 1.0, 0.0) * per_use_s, read_s - max(uses - n, 0.0) * per_use_s)
 

@@ -65,7 +65,7 @@ class PrefetchMetrics:
 
 class PayCheck:
     """Whether expert prefetching pays, by measuring single-token forwards (the time from one forward's start
-    to the next's) in alternating trials: TRIAL with it on, TRIAL with it off; the lower median wins and holds
+    to the next single-token forward's) in alternating trials: TRIAL with it on, TRIAL with it off; the lower median wins and holds
     for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. A tie goes to off:
     prefetching costs reads and memory bandwidth, so it must show a gain."""
 
@@ -153,8 +153,9 @@ class Prefetcher:
     def summary(self) -> dict:
         metrics = self.metrics.summary()
         on_share = self._forwards[1] / self._forwards[0] if self._forwards[0] else 0.0
-        # recall / precision score the forwards that predicted; recall_effective is what the planner's A4 means:
-        # the share of routed experts whose reads were issued ahead, over every forward
+        # recall / precision score the forwards that predicted (over routed experts, resident ones included);
+        # recall_effective estimates the planner's A4 recall, the share of expert reads issued ahead, as that
+        # recall times the share of forwards that prefetched experts
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
                 "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
                 "forwards_with_expert_prefetch": on_share, "recall_effective": metrics["recall"] * on_share,
