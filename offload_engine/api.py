@@ -367,8 +367,7 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
                 trace: str | None) -> Prefetcher | None:
     """Only when something streams: with every unit pinned there is nothing to read ahead."""
     config = prefetch if isinstance(prefetch, PrefetchConfig) else PrefetchConfig(enabled=bool(prefetch))
-    placement = store.placement
-    if not config.enabled or all(placement.home(kind) != "disk" for kind in placement.sizes):
+    if not config.enabled or not store.placement.streams:
         return None
     ops, spec = model.ops, model.spec
     moe_layers = [l for l in range(spec.num_layers) if ops.is_moe(l)]

@@ -135,8 +135,7 @@ def _set_compute_threads(threads: str, engine: Any) -> None:
     if threads != "auto":
         torch.set_num_threads(int(threads))
         return
-    placement = engine.placement
-    if any(placement.home(kind) == "disk" for kind in placement.sizes):
+    if engine.placement.streams:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
 
 

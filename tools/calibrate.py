@@ -16,8 +16,8 @@
    took during them is recorded (`others_cpu`, cores): above 0.25 the point is marked as contended.
 4. The planner for the same budget, context, position, direct I/O and effective prefetch recall
    (commands.calibrate, the code behind `tools/plan.py --calibrate`), its expected hit rates from a routing
-   trace of the model on another prompt (--trace-tokens; the planner's `--trace`, replayed through per-layer
-   caches), and again with the engine's measured hit rate. The issue's check: predicted within +-25% of measured.
+   trace of the model over two requests on other prompts (--trace-tokens; the planner's `--trace`, replayed
+   through per-layer caches), and again with the engine's measured hit rate. The issue's check: predicted within +-25% of measured.
 
 Prints predicted vs measured with the ratio, writes --json (default WORK_DIR/calibration.json).
 """
@@ -44,6 +44,7 @@ from offload_engine.planner import commands  # noqa: E402
 from offload_engine.planner.hardware import load_profile, probe, save_profile  # noqa: E402
 from offload_engine.probe import Meter  # noqa: E402
 from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from tools.trace_experts import routing_trace  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,17 +102,11 @@ def prompt_ids(n: int, vocab: int, salt: int) -> list[int]:
 
 
 def record_trace(model: Path, prompts: list[list[int]], tokens: int) -> dict:
-    """The model's routing over consecutive requests on other prompts (every unit resident), in
-    tools/trace_experts.py's record format: the planner's expected hit rates then come from replaying it through
-    the per-layer caches, cache churn from one prompt to the next included (the measured request follows a
-    warm-up request on another prompt)."""
+    """The model's routing over consecutive requests on other prompts: the planner's expected hit rates then
+    come from replaying it through the per-layer caches, cache churn from one prompt to the next included (the
+    measured request follows a warm-up request on another prompt)."""
     print(f"routing trace ({len(prompts)} requests of {tokens} tokens)...", file=sys.stderr)
-    with Engine.open(model, max_context=max(len(p) for p in prompts) + tokens + 8) as engine:
-        engine.model.routing_trace = []
-        for prompt in prompts:
-            engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
-        steps = engine.model.routing_trace
-    return {"moe_layers": sorted({layer for layer, _ in steps}), "steps": steps}
+    return routing_trace(model, prompts, tokens, max(len(p) for p in prompts) + tokens + 8)
 
 
 def run_engine(model: Path, pct: float, tier: str, prompt: list[int], warm: list[int], steps: int) -> dict:

@@ -22,18 +22,25 @@ sys.path.insert(0, str(ROOT))
 from offload_engine.store.policy import POLICIES, Usage, choose_victim  # noqa: E402
 
 
-def record(args: argparse.Namespace) -> int:
+def routing_trace(model, prompts: list, tokens: int, context: int) -> dict:
+    """The model's routing over consecutive greedy requests (one per prompt: text or token ids), every unit
+    resident: the record format that FrequencyPrior (`run --trace`) and the planner (`plan --trace`) read."""
     from offload_engine import Engine
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    with Engine.open(args.model, max_context=args.context) as engine:
+    with Engine.open(model, max_context=context) as engine:
         engine.model.routing_trace = []
-        engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
         steps = engine.model.routing_trace
-        spec = engine.model.spec
-    Path(args.out).write_text(json.dumps({"model": str(args.model), "num_experts": spec.num_experts,
-                                          "moe_layers": sorted({l for l, _ in steps}), "steps": steps}))
-    print(f"wrote {args.out}: {len(steps)} layer steps")
+        experts = engine.model.spec.num_experts
+    return {"model": str(model), "num_experts": experts, "moe_layers": sorted({l for l, _ in steps}), "steps": steps}
+
+
+def record(args: argparse.Namespace) -> int:
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    trace = routing_trace(args.model, [prompt], args.tokens, args.context)
+    Path(args.out).write_text(json.dumps(trace))
+    print(f"wrote {args.out}: {len(trace['steps'])} layer steps")
     return 0
 
 

@@ -66,6 +66,11 @@ class Placement:
                 return t.name
         return "disk"
 
+    @property
+    def streams(self) -> bool:
+        """Whether some kind of unit is read from the checkpoint while decoding (not pinned in any tier)."""
+        return any(self.home(kind) == "disk" for kind in self.sizes)
+
     def to_json(self) -> str:
         return json.dumps({"sizes": {k: asdict(v) for k, v in self.sizes.items()},
                            "tiers": [asdict(t) for t in self.tiers]}, indent=2)
