@@ -44,6 +44,7 @@ READ_DELAY = float(os.environ.get("SIGINT_TEST_READ_DELAY", "0"))
 MARKS = {"open_done": None}
 _open = api.Engine.open.__func__
 _read_range, _read_range_direct = store_mod.read_range, store_mod.read_range_direct
+_read_unit_direct = store_mod.read_unit_direct
 
 
 def loading():
@@ -65,6 +66,7 @@ def open_and_mark(cls, *args, **kwargs):
 
 store_mod.read_range = slow(_read_range)
 store_mod.read_range_direct = slow(_read_range_direct)
+store_mod.read_unit_direct = slow(_read_unit_direct)
 api.Engine.open = classmethod(open_and_mark)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -121,3 +122,42 @@ def test_throttled_reads_give_identical_tokens(checkpoint_factory):
     _, ref = run(path)
     _, slow = run(path, budget=Budget(ram="25%"), direct_io="off", read_fn=Faulty(sleep=0.002))
     assert slow.token_ids == ref.token_ids
+
+
+def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
+    """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read, at
+    whatever page offset the unit starts in its shard and however the slot is aligned; units of several ranges
+    and slots without the slack are declined (the caller bounces)."""
+    from offload_engine.checkpoint.model import open_model
+    from offload_engine.store.disk import DIRECT_SLACK, ShardFiles, open_direct, read_unit, read_unit_direct
+
+    checkpoint = open_model(checkpoint_factory("qwen3_moe", "offload"))
+    files = ShardFiles(checkpoint.index.shards)
+    fds = {}
+    try:
+        direct, declined = 0, 0
+        for i, layout in enumerate(checkpoint.layouts.values()):
+            file = layout.read_ranges()[0].file
+            fd = fds.setdefault(file, open_direct(file, files))
+            if fd is None:
+                pytest.skip("this filesystem refuses O_DIRECT")
+            expected = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            read_unit(files, layout, expected)
+            backing = torch.full((layout.nbytes + DIRECT_SLACK + 64,), 0xAB, dtype=torch.uint8)
+            slot = backing[8 * (i % 8):][:layout.nbytes + DIRECT_SLACK]  # slots at several alignments
+            at = read_unit_direct(fd, layout, slot, files)
+            if at is None:
+                declined += 1
+                assert len(layout.read_ranges()) > 1
+                continue
+            direct += 1
+            assert torch.equal(slot[at:at + layout.nbytes], expected), layout.key
+            views = layout.views(slot[at:])  # typed views of the shifted unit
+            assert all(v.data_ptr() % v.element_size() == 0 for v in views.values())
+            assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files) is None  # no slack
+        assert direct > 0
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+        files.close()

@@ -11,8 +11,10 @@ A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight 
    on the CPU engine with a model whose weights are negligible). Attention also reads the KV cache.
 A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
-   nvme_latency_us / READERS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O (the reader copies each
-   O_DIRECT chunk from its aligned bounce buffer into the slot before reading the next).
+   nvme_latency_us / READERS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O for units that are not
+   one contiguous range in their shard (dense layers; fused [E, ...] experts): the reader copies each O_DIRECT
+   chunk from its aligned bounce buffer into the slot. A one-range unit (an expert of a per-expert checkpoint)
+   is read straight into its slot.
 A3 The store's reader pool (READERS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
 A4 Overlap: reads of missing experts start when the layer's routing is known and overlap only that layer's
    compute of its other experts ("resident first"), one read after another on the link. A layer that misses n
@@ -146,10 +148,11 @@ def accepted_per_step(drafts: int, accept: float) -> float:
 
 def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, host_compute: bool = False,
               kv_read_bytes: float = 0.0, prefetch_dense: bool | None = None,
-              overhead_scale: float = 1.0, bounce_gbps: float | None = None) -> StepCost:
+              overhead_scale: float = 1.0, bounce_gbps: float | None = None,
+              bounced: tuple[str, ...] = ("dense", "expert")) -> StepCost:
     """Seconds for one step (A1-A5). `kv_read_bytes`: KV cache bytes attention reads in the step;
     `overhead_scale` multiplies every dispatch and bookkeeping cost (0: the bound the hardware sets);
-    `bounce_gbps`: with direct I/O, the rate of the reader's bounce-buffer copy (A2)."""
+    `bounce_gbps`: with direct I/O, the rate of the reader's bounce-buffer copy for the `bounced` sides (A2)."""
     prefetch_dense = recall > 0 if prefetch_dense is None else prefetch_dense
     compute = kv_read_bytes / (m.weight_gbps * 1e9)
     overhead = cpu = 0.0
@@ -191,7 +194,7 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
     def link_s(side: str) -> tuple[float, float]:
         pcie = h2d[side] / (m.h2d_gbps * 1e9) if m.h2d_gbps else 0.0
         nvme = disk[side] / (m.nvme_gbps * 1e9) + reads[side] * m.nvme_latency_us * 1e-6 / READERS
-        if bounce_gbps:
+        if bounce_gbps and side in bounced:
             nvme += disk[side] / (bounce_gbps * 1e9)
         return pcie, nvme
 

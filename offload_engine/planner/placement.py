@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
+from ..checkpoint.naming import UnitKey
 from ..errors import BudgetError
 from ..units import format_bytes
 
@@ -32,6 +34,16 @@ class KindSize:
     kind: str
     count: int  # units of this kind
     slot_bytes: int  # largest unit of this kind
+
+
+def kind_sizes(units: Mapping[UnitKey, int], slack: int = 0) -> dict[str, KindSize]:
+    """Per kind, the unit count and every slot's size: the largest unit plus `slack` (direct I/O's page slack)."""
+    sizes: dict[str, KindSize] = {}
+    for key, n in units.items():
+        cur = sizes.get(key.kind)
+        sizes[key.kind] = KindSize(key.kind, (cur.count if cur else 0) + 1,
+                                   max(cur.slot_bytes if cur else 0, n + slack))
+    return sizes
 
 
 @dataclass

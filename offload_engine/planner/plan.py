@@ -20,7 +20,7 @@ from ..checkpoint.naming import ModelSchema, TensorSpec, UnitKey
 from ..errors import ConfigError
 from . import costs
 from .hardware import HardwareProfile
-from .placement import KindSize, Placement, plan_placement
+from .placement import KindSize, Placement, kind_sizes, plan_placement
 from .sizes import param_counts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -274,15 +274,6 @@ def unit_bytes(key: UnitKey, specs: Mapping[str, TensorSpec], fmt: WeightFormat)
     return sum(math.ceil(ts.numel * fmt.bits(key.kind, local, ts) / 8) for local, ts in specs.items())
 
 
-def kind_sizes(units: Mapping[UnitKey, int]) -> dict[str, KindSize]:
-    """As store.build.kind_sizes: per kind, the unit count and the largest unit (every slot's size)."""
-    sizes: dict[str, KindSize] = {}
-    for key, n in units.items():
-        cur = sizes.get(key.kind)
-        sizes[key.kind] = KindSize(key.kind, (cur.count if cur else 0) + 1, max(cur.slot_bytes if cur else 0, n))
-    return sizes
-
-
 # ---- the plan ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlanOptions:
@@ -340,6 +331,7 @@ SPEC_DEFAULTS = {"mtp": (1, 0.85), "ngram": (3, 0.35)}  # (drafts, per-position 
 
 def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> Plan:
     from ..store.build import READER_THREADS, bounce_bytes
+    from ..store.disk import DIRECT_SLACK
 
     shape = model if isinstance(model, ModelShape) else model_shape(model)
     spec, o, warnings = shape.spec, options, []
@@ -364,6 +356,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         ram = max(profile.ram_bytes - reserve["host"] - (0 if profile.has_gpu else act + (vram or 0)), 0)
     total = sum(units.values())
     direct = o.direct_io == "on" or (o.direct_io == "auto" and ram < total)
+    if direct:  # slots that O_DIRECT reads land in straight carry page slack (store.build.plan_for)
+        sizes = kind_sizes(units, DIRECT_SLACK)
     staging = READER_THREADS * bounce_bytes(sizes, ram) if direct else 0
     if separate_host:
         # CUDA reads stage through host slots (store._read_via_host): one per reader thread and kind
@@ -379,6 +373,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
             largest = have - (need - tier.used(sizes))  # the physical memory less what is charged besides
             warnings.append(f"{memory}: the budgets + activations + reserve = {_gib(need)} exceed the {_gib(have)} "
                             f"of {profile.name}; the largest {flag} that fits is {_gib(max(largest, 0))}")
+    # experts of a per-expert checkpoint are one range each (O_DIRECT straight into the slot); fused ones bounce
+    fused_experts = any(t.index is not None for k in shape.schema.keys("expert")
+                        for t in shape.schema.units[k].values())
     hits, steps, tok_s = {}, {}, {}
     drafts, accept, info = _spec_setup(shape, o, use_mtp)
     m = 1 + drafts
@@ -389,7 +386,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
             host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize),
-            overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None)
+            overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,
+            bounced=("dense", "expert") if fused_experts else ("dense",))
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
     if info is not None:
         info.update(accepted_per_step=costs.accepted_per_step(drafts, accept), drafts=drafts, accept=accept)

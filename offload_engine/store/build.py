@@ -10,7 +10,8 @@ from ..checkpoint.model import ModelCheckpoint
 from ..config import ResolvedBudget
 from ..errors import ConfigError
 from ..planner.placement import KindSize, Placement, plan_placement
-from .disk import ALIGN, BOUNCE_BYTES
+from ..planner.placement import kind_sizes as placement_kind_sizes
+from .disk import ALIGN, BOUNCE_BYTES, DIRECT_SLACK
 from .ledger import Ledger
 from .store import ReadFn, TieredStore
 
@@ -18,13 +19,8 @@ READER_THREADS = 4
 STALL_TIMEOUT_S = 60.0
 
 
-def kind_sizes(checkpoint: ModelCheckpoint) -> dict[str, KindSize]:
-    sizes: dict[str, KindSize] = {}
-    for key, layout in checkpoint.layouts.items():
-        cur = sizes.get(key.kind)
-        sizes[key.kind] = KindSize(key.kind, (cur.count if cur else 0) + 1, max(cur.slot_bytes if cur else 0,
-                                                                                  layout.nbytes))
-    return sizes
+def kind_sizes(checkpoint: ModelCheckpoint, slack: int = 0) -> dict[str, KindSize]:
+    return placement_kind_sizes({key: layout.nbytes for key, layout in checkpoint.layouts.items()}, slack)
 
 
 MIN_BOUNCE = 64 * 1024
@@ -65,6 +61,8 @@ def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.
         use_direct = ram is not None and ram < checkpoint.total_bytes
     elif direct_io not in ("on", "off"):
         raise ConfigError(f"--direct-io must be auto, on or off, got {direct_io!r}")
+    if use_direct:  # every slot can take an O_DIRECT read straight, with its page slack (disk.read_unit_direct)
+        sizes = kind_sizes(checkpoint, DIRECT_SLACK)
     staging = READER_THREADS * bounce_bytes(sizes, budget.host) if use_direct else 0
     if separate_host:
         compute_budget = budget.device

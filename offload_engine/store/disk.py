@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.index import ShardInfo
+from ..checkpoint.index import DTYPES, ShardInfo
 from ..checkpoint.layout import ReadRange, UnitLayout
 from ..errors import IOFault
 from .readers import reading
@@ -173,48 +173,102 @@ def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryv
                       files: ShardFiles | None = None) -> None:
     """O_DIRECT: aligned over-reads into a page-aligned bounce buffer, then the wanted bytes into the blob.
     The page cache is bypassed, so the process's real memory stays within the budget. With `files`, failures and
-    finished reads are checked against the shard's recorded identity, as in read_range."""
+    finished reads are checked against the shard's recorded identity, as in read_range. For a unit that is one
+    range and whose slot has DIRECT_SLACK, read_unit_direct skips the bounce (and its copy)."""
     # torch copies (not memoryview slices): they release the GIL, so the compute thread keeps running while a
     # reader moves the bounce buffer into the slot
     src = torch.frombuffer(bounce, dtype=torch.uint8)
     pos, end = r.file_offset, r.file_offset + r.nbytes
-    stuck = 0
     while pos < end:
         start = pos - pos % ALIGN
-        want = min(len(bounce), -(-(end - start) // ALIGN) * ALIGN)
-        try:
-            with reading(r.file, start, want):
-                n = os.preadv(fd, [bounce[:want]], start)
-        except OSError as e:
-            if files is not None:
-                files.recheck(r.file, start)
-            raise IOFault(r.file, start, e.errno, e.strerror or str(e)) from None
-        if n == 0:
-            if files is not None:
-                files.recheck(r.file, pos)
-            _raise_if_shorter(fd, r, pos)
-            raise IOFault(r.file, pos, None, f"unexpected end of file: wanted {end - pos} more bytes")
-        got = min(start + n, end) - pos
-        if got <= 0:  # a short read that stopped before the wanted byte: read the block again
-            stuck += 1
-            if stuck > 8:
-                raise IOFault(r.file, pos, None, f"short reads make no progress ({n} bytes from offset {start})")
-            continue
-        stuck = 0
+        got = _pread_aligned(fd, r, start, min(end, start + len(bounce)), bounce, files) - (pos - start)
         at = r.blob_offset + (pos - r.file_offset)
         blob[at:at + got].copy_(src[pos - start:pos - start + got])
         pos += got
+    _verify_after(fd, r, files)
+
+
+# A slot read straight from O_DIRECT holds the unit shifted: up to ALIGN - 1 bytes to reach a page boundary in the
+# slot, up to ALIGN - 1 bytes of file before the unit (its offset within its page) and the tail of the last page.
+DIRECT_SLACK = 3 * ALIGN
+
+
+def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: ShardFiles | None = None) -> int | None:
+    """O_DIRECT straight into the slot, no bounce buffer and no copy: the unit's one range is read with its
+    page-aligned surroundings into a page-aligned part of `blob`. Returns where the unit's bytes begin in `blob`
+    (the slot's offset for its views), or None when this unit cannot be read so (several ranges, a slot without
+    DIRECT_SLACK, or tensors whose file offsets would leave a typed view misaligned): use read_range_direct."""
+    ranges = layout.read_ranges()
+    if len(ranges) != 1 or ranges[0].blob_offset != 0:
+        return None
+    r = ranges[0]
+    if any((s.file_offset - r.file_offset) != s.blob_offset or s.file_offset % _itemsize(s.dtype)
+           for s in layout.slices):
+        return None  # a typed view must start at a multiple of its element size, as the layout guarantees
+    pad = -blob.data_ptr() % ALIGN
+    start = r.file_offset - r.file_offset % ALIGN
+    length = -(-(r.file_offset + r.nbytes - start) // ALIGN) * ALIGN
+    if pad + length > blob.numel():
+        return None
+    dest = memoryview(blob.numpy()).cast("B")[pad:pad + length]
+    _pread_aligned(fd, r, start, r.file_offset + r.nbytes, dest, files)
+    _verify_after(fd, r, files)
+    return pad + r.file_offset - start
+
+
+def _itemsize(dtype: str) -> int:
+    return max(1, DTYPES[dtype][0] // 8)
+
+
+def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memoryview,
+                   files: ShardFiles | None) -> int:
+    """Aligned O_DIRECT reads of the file from `start` (page-aligned) into `buf` (page-aligned), READ_CHUNK bytes
+    per call so the stall watchdog sees progress, until the bytes up to `need_end` are in. Returns how many bytes
+    from `start` are valid (at least need_end - start). Short reads re-read from the last whole page."""
+    end = r.file_offset + r.nbytes
+    done, stuck = 0, 0
+    while start + done < need_end:
+        want = min(READ_CHUNK, -(-(need_end - start - done) // ALIGN) * ALIGN, len(buf) - done)
+        pos = start + done
+        try:
+            with reading(r.file, pos, want):
+                n = os.preadv(fd, [buf[done:done + want]], pos)
+        except OSError as e:
+            if files is not None:
+                files.recheck(r.file, pos)
+            raise IOFault(r.file, pos, e.errno, e.strerror or str(e)) from None
+        if n == 0:
+            at = max(pos, r.file_offset)
+            if files is not None:
+                files.recheck(r.file, at)
+            _raise_if_shorter(fd, r, at)
+            raise IOFault(r.file, at, None, f"unexpected end of file: wanted {end - at} more bytes")
+        if n < want and pos + n < need_end:  # short read inside the range: continue from the last whole page
+            whole = n - n % ALIGN
+            if whole == 0:
+                stuck += 1
+                if stuck > 8:
+                    raise IOFault(r.file, pos, None, f"short reads make no progress ({n} bytes from offset {pos})")
+                continue
+            n = whole
+        stuck = 0
+        done += n
+    return min(done, need_end - start)
+
+
+def _verify_after(fd: int, r: ReadRange, files: ShardFiles | None) -> None:
     if files is not None:
         files.verify(r.file, fd, r.file_offset)
-    else:  # no recorded identity to compare with: at least notice a path that no longer names this file
-        st = os.fstat(fd)
-        try:
-            same = os.path.samestat(st, os.stat(r.file))
-        except OSError:
-            same = False
-        if not same:
-            raise IOFault(r.file, r.file_offset, None, "shard changed on disk since it was opened: replaced or "
-                          "deleted; re-open the model")
+        return
+    # no recorded identity to compare with: at least notice a path that no longer names this file
+    st = os.fstat(fd)
+    try:
+        same = os.path.samestat(st, os.stat(r.file))
+    except OSError:
+        same = False
+    if not same:
+        raise IOFault(r.file, r.file_offset, None, "shard changed on disk since it was opened: replaced or "
+                      "deleted; re-open the model")
 
 
 def _raise_if_shorter(fd: int, r: ReadRange, pos: int) -> None:

@@ -7,15 +7,13 @@ per-layer partition keeps a share of slots per layer and evicts within the incom
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 POLICIES = ("lru", "lfu", "layer-lru")
 LFU_HALF_LIFE = 64.0  # uses: older accesses count half after this many store ticks
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(NamedTuple):  # a tuple, not a dataclass: the store builds one per evictable slot on every miss
     slot: int
     layer: int
     last_use: int  # store tick of the last acquire

@@ -24,14 +24,15 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint.layout import ReadRange
+from ..checkpoint.layout import ReadRange, UnitLayout
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from ..interrupts import finish_despite_interrupts
 from ..errors import BudgetError, EngineClosedError
 from ..planner.placement import Placement
 from ..runtime.weights import Weights
-from .disk import BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range, read_range_direct
+from .disk import (BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range, read_range_direct,
+                   read_unit_direct)
 from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, choose_victim
@@ -125,6 +126,7 @@ class TieredStore:
     def _read_disk(self, key: UnitKey, slot: Slot) -> None:
         layout = self.checkpoint.layouts[key]
         if slot.blob.device.type == "cuda":
+            slot.offset = 0
             if self.gds is not None:  # GPUDirect Storage: NVMe straight into the device slot
                 for r in layout.read_ranges():
                     with reading(r.file, r.file_offset, r.nbytes):
@@ -134,13 +136,22 @@ class TieredStore:
             else:
                 self._read_via_host(key, slot)
             return
-        for r in layout.read_ranges():
-            # the range is recorded around the whole read function too, so a read_fn that blocks before it
-            # reaches the disk is still reported by file and offset (the disk readers record finer ranges)
-            with reading(r.file, r.file_offset, r.nbytes):
-                self._read_range(r, slot.blob)
+        slot.offset = self._read_unit_direct(layout, slot.blob) if self.direct_io else None
+        if slot.offset is None:
+            slot.offset = 0
+            for r in layout.read_ranges():
+                # the range is recorded around the whole read function too, so a read_fn that blocks before it
+                # reaches the disk is still reported by file and offset (the disk readers record finer ranges)
+                with reading(r.file, r.file_offset, r.nbytes):
+                    self._read_range(r, slot.blob)
         with self._lock:
             self.stats.bytes_read_disk += layout.nbytes
+
+    def _read_unit_direct(self, layout: UnitLayout, blob: torch.Tensor) -> int | None:
+        """O_DIRECT straight into the slot (no bounce copy) when the unit allows it: the offset of its bytes."""
+        ranges = layout.read_ranges()
+        fd = self._direct_fd(ranges[0].file) if len(ranges) == 1 else None
+        return None if fd is None else read_unit_direct(fd, layout, blob, self.files)
 
     def _read_range(self, r: ReadRange, blob: torch.Tensor) -> None:
         if self.direct_io:
@@ -184,14 +195,16 @@ class TieredStore:
         """Host slot -> device slot. On CUDA: an async copy from pinned memory on the store's copy stream; the
         reader thread waits on its event, so the compute stream never blocks on transfers it does not need."""
         n = self.checkpoint.layouts[key].nbytes
+        dst.offset = 0
+        source = src.blob[src.offset:src.offset + n]
         if self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
-                dst.blob[:n].copy_(src.blob[:n], non_blocking=True)
+                dst.blob[:n].copy_(source, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             done.synchronize()
         else:
-            dst.blob[:n].copy_(src.blob[:n])
+            dst.blob[:n].copy_(source)
         with self._lock:
             self.stats.bytes_host_to_device += n
 
@@ -232,15 +245,18 @@ class TieredStore:
         tick (a wrong guess must not push out a warm unit)."""
         with self._lock:
             pool = tier.pools.get(key.kind, [])
+            slot, candidates = None, []
+            # one pass (this runs on the compute thread for every miss, over every slot of the kind)
             for s in pool:
-                self._settle(tier, s)
-            free = [s for s in pool if s.key is None]
-            slot = free[0] if free else None
+                if s.loading is not None:
+                    self._settle(tier, s)
+                if s.key is None:
+                    slot = s
+                    break
+                if (s.refs == 0 and s.loading is None and not (prefetching and s.prefetched)
+                        and (used_before is None or s.last_use < used_before)):
+                    candidates.append(Usage(s.index, s.key.layer, s.last_use, s.score))
             if slot is None:
-                candidates = [Usage(s.index, s.key.layer, s.last_use, s.score) for s in pool
-                              if s.refs == 0 and s.loading is None and s.key is not None
-                              and not (prefetching and s.prefetched)
-                              and (used_before is None or s.last_use < used_before)]
                 if not candidates:
                     return None
                 # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
@@ -279,7 +295,7 @@ class TieredStore:
         slot.last_use = self._tick
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
-        views = self.checkpoint.layouts[key].views(slot.blob)
+        views = self.checkpoint.layouts[key].views(slot.blob[slot.offset:])
         return {k: (v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v)
                 for k, v in views.items()}
 

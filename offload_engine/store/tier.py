@@ -17,6 +17,7 @@ class Slot:
     kind: str
     index: int
     blob: torch.Tensor  # uint8, slot_bytes long
+    offset: int = 0  # where the unit's bytes begin in blob (a direct read lands them page-shifted)
     key: UnitKey | None = None
     refs: int = 0  # acquired and not yet released: never evicted
     loading: Future | None = None  # a read or copy into this slot is in flight
