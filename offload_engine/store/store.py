@@ -295,7 +295,12 @@ class TieredStore:
         slot.last_use = self._tick
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
-        views = self.checkpoint.layouts[key].views(slot.blob[slot.offset:])
+        cached = slot.views
+        if cached is not None and cached[0] == (key, slot.offset):
+            views = cached[1]
+        else:
+            views = self.checkpoint.layouts[key].views(slot.blob[slot.offset:])
+            slot.views = ((key, slot.offset), views)
         return {k: (v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v)
                 for k, v in views.items()}
 
