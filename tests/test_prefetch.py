@@ -199,3 +199,42 @@ def test_store_prefetch_spares_unused_prefetches_and_acquire_reads_before_it_yie
         assert key == d2
         store.release([d2])
         assert next(acquiring, None) is None
+
+
+def test_wrong_guesses_evict_at_most_the_quota_and_are_the_first_victims(checkpoint_factory):
+    """TieredStore.prefetch_slots: prefetches evict cached experts only while fewer than the quota of slots hold
+    unjudged or wrong guesses; past it they recycle stale guesses (marked by cancel_prefetch once routing proves
+    them wrong), which are also the first victims of a demand read; a right guess (acquired) frees its place."""
+    path = checkpoint_factory("qwen3_moe", "offload")
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=64, prefetch=False) as engine:
+        store = engine.store
+        engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)  # every expert slot holds a cached unit
+        pool = store.compute.pools["expert"]
+        assert all(s.key is not None for s in pool)
+        cached = lambda: {s.key for s in pool if not s.prefetched and s.loading is None}  # noqa: E731
+        absent = [k for k in store.checkpoint.layouts if k.kind == "expert" and k not in store.compute.resident]
+        store.prefetch_slots = 2
+        before = cached()
+        assert store.prefetch(absent[:6]) == 2  # the quota: two cached experts may go
+        for key in absent[:2]:
+            wait_landed(store, key)
+        assert len(before - cached()) == 2
+        store.cancel_prefetch(absent[:2])  # routing proved both wrong: stale
+        assert all(store.compute.resident[k].stale for k in absent[:2])
+        before = cached()
+        assert store.prefetch(absent[2:6], limit=1) == 1  # recycles a stale guess, at most `limit` reads
+        wait_landed(store, absent[2])
+        assert cached() == before and absent[2] in store.compute.resident
+        stale = next(k for k in absent[:2] if k in store.compute.resident)
+        for _ in store.acquire([absent[3]]):  # a demand miss evicts the remaining stale guess first
+            store.release([absent[3]])
+        assert stale not in store.compute.resident and cached() >= before
+        store.prefetch_slots = 1
+        assert store.prefetch(absent[4:5]) == 0  # absent[2], not judged yet, fills the quota
+        for _ in store.acquire([absent[2]]):  # a right guess joins the cache and frees its quota place
+            store.release([absent[2]])
+        assert not store.compute.resident[absent[2]].prefetched
+        before = cached()
+        assert store.prefetch(absent[4:5]) == 1
+        wait_landed(store, absent[4])
+        assert len(before - cached()) == 1

@@ -11,10 +11,12 @@ lookahead needs layer t's dense unit (its router) resident when layer t - 1 asks
 
 Expert prefetching must pay in seconds (FIELD-NOTES: on a link with no spare bandwidth, wrong guesses delay the
 right reads). `PayCheck` measures it: trials of single-token forwards with expert prefetching on, then off, keep
-whichever was faster for a hold period (doubled while the verdict repeats), then trial again. An expert
-prefetch only takes a free slot or one whose unit went unused through the whole previous forward: a wrong guess
-must not push out a cached expert the next tokens would have hit (at a 94% hit rate that pollution tripled the
-bytes read per token).
+whichever was faster for a hold period (doubled while the verdict repeats), then trial again. Wrong guesses
+must not push out cached experts the next tokens would have hit (at a 94% hit rate that pollution tripled the
+bytes read per token): a prefetch evicts a cached expert (one unused through the whole previous forward) only
+while fewer than `slots` slots hold unjudged or wrong guesses, and otherwise recycles a wrong guess's slot;
+`routed` marks wrong guesses stale, the first victims of every read. And at most `reads` guesses per token are
+read at each layer, the likeliest first: on a link with no spare bandwidth each wrong one delays a demand read.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class PrefetchConfig:
     margin: int = 2  # candidates beyond top-k per token
     min_prob: float = 0.05
     adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
+    reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
+    slots: int = 8  # expert slots that prefetched, unused units may hold (TieredStore.prefetch_slots)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class Prefetcher:
     def __init__(self, store, predictor: ExpertPredictor, moe_layers: list[int], num_layers: int,
                  config: PrefetchConfig):
         self.store, self.predictor, self.config = store, predictor, config
+        store.prefetch_slots = config.slots
         self.moe_layers, self.num_layers = sorted(moe_layers), num_layers
         self.metrics = PrefetchMetrics()
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for it, not yet routed
@@ -139,7 +144,8 @@ class Prefetcher:
                       if p >= self.config.min_prob]
         for key, _ in prediction:
             self._pending.setdefault(key.layer, set()).add(key.expert)
-        self.store.prefetch([k for k, _ in prediction], used_before=self._forward_ticks[0])
+        self.store.prefetch([k for k, _ in prediction], used_before=self._forward_ticks[0],
+                            limit=self.config.reads * x.shape[0])
 
     def routed(self, layer: int, experts: list[int]) -> None:
         self.predictor.observe(layer, experts)

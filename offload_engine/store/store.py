@@ -39,6 +39,7 @@ from .policy import Usage, choose_victim
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
 from .tier import Slot, Tier
 
+PREFETCH_SLOTS = 8
 ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]
 
 
@@ -75,6 +76,7 @@ class TieredStore:
         self._expert_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
         self._lock = threading.RLock()
         self._tick = 0
+        self.prefetch_slots = PREFETCH_SLOTS  # per kind: slots prefetched, unused units may hold (see _reserve)
         self.files = ShardFiles(checkpoint.index.shards)
         self._read_fn = read_fn or read_range
         self._direct_fds: dict = {}
@@ -240,12 +242,16 @@ class TieredStore:
     def _reserve(self, tier: Tier, key: UnitKey, used_before: int | None = None,
                  prefetching: bool = False) -> Slot | None:
         """A slot of `tier` for `key` (refs=1, marked loading), evicting per policy; None if all are busy.
-        For a prefetch (`prefetching`): never a unit prefetched and not used yet (reading the layer after next
-        must not throw away the next layer's unit), and with `used_before` only units last used before that
-        tick (a wrong guess must not push out a warm unit)."""
+        A stale prefetch (a guess its layer's routing did not use) is the first victim of any read. A prefetch
+        (`prefetching`) evicts a cached unit only while fewer than `prefetch_slots` slots of the kind hold
+        prefetched, unused units, and then never one used since `used_before` (a tick); past that quota it
+        recycles stale guesses only. So wrong guesses never push out more of the cache than the quota, and a
+        right guess (kept by the cache) frees its quota place at the eviction a demand miss would have made. A
+        prefetch never evicts a unit prefetched and not yet judged (the layer after next must not throw away the
+        next layer's unit)."""
         with self._lock:
             pool = tier.pools.get(key.kind, [])
-            slot, candidates = None, []
+            slot, candidates, stale, held = None, [], None, 0
             # one pass (this runs on the compute thread for every miss, over every slot of the kind)
             for s in pool:
                 if s.loading is not None:
@@ -253,20 +259,28 @@ class TieredStore:
                 if s.key is None:
                     slot = s
                     break
-                if (s.refs == 0 and s.loading is None and not (prefetching and s.prefetched)
-                        and (used_before is None or s.last_use < used_before)):
+                held += s.prefetched
+                if s.refs or s.loading is not None:
+                    continue
+                if s.stale:
+                    if stale is None or s.last_use < stale.last_use:
+                        stale = s
+                elif not (prefetching and s.prefetched) and (used_before is None or s.last_use < used_before):
                     candidates.append(Usage(s.index, s.key.layer, s.last_use, s.score))
-            if slot is None:
-                if not candidates:
+            if slot is None and stale is not None:
+                slot = stale
+            elif slot is None:
+                if not candidates or (prefetching and held >= self.prefetch_slots):
                     return None
                 # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
                 policy = self.policy if key.kind == "expert" else "lru"
                 share = max(1, len(pool) // self._expert_layers)
                 slot = pool[choose_victim(policy, candidates, key.layer, share, self._tick)]
+            if slot.key is not None:
                 if slot.prefetched:
                     self.stats.prefetch_wasted += 1
                 del tier.resident[slot.key]
-            slot.key, slot.refs, slot.score, slot.prefetched = key, 1, 0.0, False
+            slot.key, slot.refs, slot.score, slot.prefetched, slot.stale = key, 1, 0.0, False, False
             slot.loading = Future()  # placeholder until the real future is attached
             tier.resident[key] = slot
             return slot
@@ -287,7 +301,7 @@ class TieredStore:
         with self._lock:
             if slot.key is not None and tier.resident.get(slot.key) is slot:
                 del tier.resident[slot.key]
-            slot.key, slot.refs, slot.loading, slot.prefetched = None, 0, None, False
+            slot.key, slot.refs, slot.loading, slot.prefetched, slot.stale = None, 0, None, False, False
 
     def _touch(self, slot: Slot) -> None:
         self._tick += 1
@@ -321,7 +335,7 @@ class TieredStore:
                     self._touch(slot)
                     self.stats.hits[self.compute.name] += 1
                     if slot.prefetched:
-                        slot.prefetched = False
+                        slot.prefetched = slot.stale = False
                         self.stats.prefetch_used += 1
                     ready.append((key, slot))
                 else:
@@ -418,7 +432,7 @@ class TieredStore:
                 if slot is not None:  # resident by now, or a prefetch is reading it
                     slot.refs += 1
                     if slot.prefetched:
-                        slot.prefetched = False
+                        slot.prefetched = slot.stale = False
                         self.stats.prefetch_used += 1
                     if slot.loading is None:
                         self.stats.hits[self.compute.name] += 1
@@ -445,14 +459,16 @@ class TieredStore:
         """The use counter (one per acquired unit): what `prefetch(used_before=...)` compares with."""
         return self._tick
 
-    def prefetch(self, keys: Sequence[UnitKey], used_before: int | None = None) -> int:
-        """Best effort, asynchronous: start reads of units not yet resident into free or evictable slots. Never
-        evicts a unit in use or in flight, nor (given `used_before`, a `tick`) one used since then, and never
-        holds more than half of a kind's slots, so demand reads always find room; returns how many reads it
-        started."""
+    def prefetch(self, keys: Sequence[UnitKey], used_before: int | None = None, limit: int | None = None) -> int:
+        """Best effort, asynchronous: start reads of units not yet resident into free or evictable slots (see
+        _reserve for which), in the order given and at most `limit` of them. Never evicts a unit in use or in
+        flight, and never holds more than half of a kind's slots, so demand reads always find room; returns how
+        many reads it started."""
         started, full = 0, set()  # kinds with no slot to spare in this call
         with self._lock:
             for key in keys:
+                if limit is not None and started >= limit:
+                    break
                 pool = self.compute.pools.get(key.kind)
                 if key in self.compute.resident or not pool or key.kind in full:
                     continue
@@ -470,16 +486,20 @@ class TieredStore:
         return started
 
     def cancel_prefetch(self, keys: Sequence[UnitKey]) -> int:
-        """Drop prefetches that have not started and that nobody waits for (the routing proved them stale)."""
+        """The routing proved these prefetches wrong: drop those not started that nobody waits for, and mark the
+        others stale (the first victims of the next reads)."""
         cancelled = 0
         with self._lock:
             for key in keys:
                 slot = self.compute.resident.get(key)
-                if (slot is not None and slot.prefetched and slot.refs == 0 and slot.loading is not None
-                        and slot.loading.cancel()):
+                if slot is None or not slot.prefetched:
+                    continue
+                if slot.refs == 0 and slot.loading is not None and slot.loading.cancel():
                     self._drop(self.compute, slot)
                     self.stats.prefetch_cancelled += 1
                     cancelled += 1
+                else:
+                    slot.stale = True
         return cancelled
 
     def peek(self, key: UnitKey) -> Weights | None:

@@ -24,6 +24,7 @@ class Slot:
     last_use: int = 0
     score: float = 0.0  # aged use count (LFU)
     prefetched: bool = False  # filled by a prefetch and not yet used
+    stale: bool = False  # a prefetch its layer's routing did not use: the first victim of any read
     # typed views of the unit last viewed here, and for which (key, offset): valid as long as both match, since a
     # unit's layout in its blob is fixed (building them costs ~30 us of Python per acquire)
     views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor]] | None = None
