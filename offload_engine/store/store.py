@@ -310,11 +310,13 @@ class TieredStore:
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
         cached = slot.views
-        if cached is not None and cached[0] == (key, slot.offset):
-            views = cached[1]
-        else:
+        if cached is None or cached[0] != (key, slot.offset):
             views = self.checkpoint.layouts[key].views(slot.blob[slot.offset:])
-            slot.views = ((key, slot.offset), views)
+            cast = any(v.is_floating_point() and v.dtype != self.dtype for v in views.values())
+            cached = slot.views = ((key, slot.offset), views, cast)
+        _, views, cast = cached
+        if not cast:
+            return dict(views)  # a copy: callers may rebind entries, never the slot's cached views
         return {k: (v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v)
                 for k, v in views.items()}
 
