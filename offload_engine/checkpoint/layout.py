@@ -7,6 +7,7 @@ adjacent in the blob and one unit is usually one read per shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -48,8 +49,12 @@ class UnitLayout:
             out[s.local] = raw.view(DTYPES[s.dtype][1]).view(s.shape)
         return out
 
-    def read_ranges(self) -> list[ReadRange]:
+    def read_ranges(self) -> tuple[ReadRange, ...]:
         """Byte ranges to read, adjacent ones merged (same file, contiguous on disk and in the blob)."""
+        return self._read_ranges
+
+    @cached_property  # asked on every read of the unit, by a reader thread holding the GIL
+    def _read_ranges(self) -> tuple[ReadRange, ...]:
         ranges: list[ReadRange] = []
         for s in self.slices:
             last = ranges[-1] if ranges else None
@@ -58,7 +63,7 @@ class UnitLayout:
                 ranges[-1] = ReadRange(last.file, last.file_offset, last.nbytes + s.nbytes, last.blob_offset)
             else:
                 ranges.append(ReadRange(s.file, s.file_offset, s.nbytes, s.blob_offset))
-        return ranges
+        return tuple(ranges)
 
 
 def build_layout(key: UnitKey, specs: dict[str, TensorSpec], records: dict[str, TensorRecord]) -> UnitLayout:
