@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.naming import UnitKey
+from ..store.store import PREFETCH_SLOTS
 from .predictor import ExpertPredictor
 
 
@@ -39,7 +40,7 @@ class PrefetchConfig:
     min_prob: float = 0.05
     adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
     reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
-    slots: int = 8  # expert slots that prefetched, unused units may hold (TieredStore.prefetch_slots)
+    slots: int = PREFETCH_SLOTS  # slots of a kind that prefetched, unused units may hold (TieredStore._reserve)
 
 
 @dataclass

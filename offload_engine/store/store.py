@@ -39,7 +39,7 @@ from .policy import Usage, choose_victim
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
 from .tier import Slot, Tier
 
-PREFETCH_SLOTS = 8
+PREFETCH_SLOTS = 8  # default quota of prefetched, unused units per kind (_reserve; PrefetchConfig.slots)
 ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]
 
 
