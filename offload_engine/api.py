@@ -7,6 +7,8 @@ that thread ends the suspended stream first.
 """
 from __future__ import annotations
 
+import logging
+
 import os
 import threading
 import weakref
@@ -368,6 +370,10 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
     """Only when something streams: with every unit pinned there is nothing to read ahead."""
     config = prefetch if isinstance(prefetch, PrefetchConfig) else PrefetchConfig(enabled=bool(prefetch))
     if not config.enabled or not store.placement.streams:
+        if trace:
+            logging.getLogger("offload_engine").warning(
+                "routing trace %s not used: %s", trace,
+                "prefetching is off" if not config.enabled else "every unit is resident, nothing is read ahead")
         return None
     ops, spec = model.ops, model.spec
     moe_layers = [l for l in range(spec.num_layers) if ops.is_moe(l)]

@@ -105,7 +105,8 @@ def test_pay_check_keeps_the_faster_setting_and_holds_it_longer_while_it_repeats
     assert pay.verdicts == [verdict]
     held = run_forwards(pay, clock, PayCheck.HOLD - 1, on_s, off_s)
     assert held == [verdict] * (PayCheck.HOLD - 1)
-    run_forwards(pay, clock, 2 * PayCheck.TRIAL + 1, on_s, off_s)  # the next trial, same outcome
+    second = run_forwards(pay, clock, 2 * PayCheck.TRIAL + 1, on_s, off_s)  # the next trial, same outcome
+    assert second == [False] * n + [True] * n + [verdict]  # trials alternate which setting they time first
     assert pay.verdicts == [verdict, verdict]
     assert run_forwards(pay, clock, 2 * PayCheck.HOLD - 1, on_s, off_s) == [verdict] * (2 * PayCheck.HOLD - 1)
 
@@ -238,3 +239,17 @@ def test_wrong_guesses_evict_at_most_the_quota_and_are_the_first_victims(checkpo
         assert store.prefetch(absent[4:5]) == 1
         wait_landed(store, absent[4])
         assert len(before - cached()) == 1
+
+
+def test_a_routing_trace_that_cannot_be_used_is_reported(reference, tmp_path, caplog):
+    """--trace with nothing to read ahead (every unit resident, or prefetching off) says so instead of being
+    silently ignored."""
+    path = reference[0]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"steps": []}))
+    for kw, why in (({"prefetch": True}, "every unit is resident"),
+                    ({"prefetch": False, "budget": Budget(ram="25%")}, "prefetching is off")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="offload_engine"):
+            Engine.open(path, max_context=32, trace=str(trace), **kw).close()
+        assert any(str(trace) in r.getMessage() and why in r.getMessage() for r in caplog.records), why

@@ -70,9 +70,10 @@ class PrefetchMetrics:
 
 class PayCheck:
     """Whether expert prefetching pays, by measuring single-token forwards (the time from one forward's start
-    to the next single-token forward's) in alternating trials: TRIAL with it on, TRIAL with it off; the lower median wins and holds
-    for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. A tie goes to off:
-    prefetching costs reads and memory bandwidth, so it must show a gain."""
+    to the next single-token forward's) in trials: TRIAL with it on and TRIAL with it off, in turns starting with
+    on, then with off (so a drift over a trial, such as the cache warming, favours neither); the lower median
+    wins and holds for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. A tie goes
+    to off: prefetching costs reads and memory bandwidth, so it must show a gain."""
 
     TRIAL, HOLD, MAX_HOLD = 4, 32, 512
 
@@ -80,7 +81,8 @@ class PayCheck:
         self.clock = clock
         self.on = True  # expert prefetching for the forward now running
         self.verdicts: list[bool] = []  # each trial's outcome, in order (reported in the stats)
-        self._phase = "on"  # "on" / "off": a trial of that setting; "hold": the verdict stands
+        self._phase = "first"  # "first" / "second": the two halves of a trial; "hold": the verdict stands
+        self._first = True  # the setting the current trial times first
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._hold, self._left = self.HOLD, 0
         self._started: float | None = None  # start of the last single-token forward
@@ -100,11 +102,12 @@ class PayCheck:
         if self._phase == "hold":
             self._left -= 1
             if self._left <= 0:
-                self._phase, self.on = "on", True
+                self._first = not self._first
+                self._phase, self.on = "first", self._first
                 self._times = {True: [], False: []}
         elif len(self._times[self.on]) >= self.TRIAL:
-            if self._phase == "on":
-                self._phase, self.on = "off", False
+            if self._phase == "first":
+                self._phase, self.on = "second", not self.on
             else:
                 verdict = statistics.median(self._times[True]) < statistics.median(self._times[False])
                 self._hold = min(2 * self._hold, self.MAX_HOLD) if self.verdicts[-1:] == [verdict] else self.HOLD
