@@ -68,3 +68,29 @@ def test_decode_token_by_token_matches_prefill(checkpoint_factory):
         model.forward(torch.tensor(ids[:48]), cache)
         steps = torch.cat([model.forward(torch.tensor([t]), cache) for t in ids[48:]])
         assert torch.allclose(steps, full[48:], atol=1e-5 * full.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_short_path_of_the_expert_sum_is_bitwise_the_general_one(dtype):
+    """runtime/moe.py computes one token's expert sum without index ops; the bits must equal the general path
+    (gather the token rows, scale, scatter-add in ascending expert order)."""
+    from offload_engine.runtime.layers import gated_mlp
+    from offload_engine.runtime.moe import combine, expert_part, routed_experts
+
+    gen = torch.Generator().manual_seed(0)
+    H, I, E, k = 64, 32, 16, 4
+    experts = {e: {n: torch.randn(*shape, generator=gen).to(dtype)
+                   for n, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))} for e in range(E)}
+    fn = lambda w, x: gated_mlp(x, w["gate"], w["up"], w["down"], torch.nn.functional.silu)  # noqa: E731
+    for trial in range(20):
+        x = torch.randn(1, H, generator=gen).to(dtype)
+        indices = torch.randperm(E, generator=gen)[:k].unsqueeze(0)
+        weights = torch.softmax(torch.randn(1, k, generator=gen), -1)
+        order = routed_experts(indices)
+        assert order == torch.unique(indices).tolist()
+        fast = combine(x, {e: expert_part(x, indices, weights, e, experts[e], fn) for e in reversed(order)})
+        general = torch.zeros_like(x)
+        for e in order:
+            tok, slot = torch.where(indices == e)
+            general[tok] += fn(experts[e], x[tok]) * weights[tok, slot, None].to(dtype)
+        assert torch.equal(fast, general), trial
