@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
+    run.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
+                     help="expert guesses read per token at each layer (default 1; more pays only with spare disk "
+                          "bandwidth)")
     run.add_argument("--trace", metavar="FILE",
                      help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
     run.add_argument("--spec", default="off", choices=["off", "auto", "ngram", "mtp", "draft", "self"],
@@ -110,17 +113,20 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _prefetch_config(args: argparse.Namespace) -> Any:
-    """--prefetch, --prefetch-depth and --trace as Engine.open's `prefetch` (a PrefetchConfig, or False)."""
+    """--prefetch, --prefetch-depth, --prefetch-reads and --trace as Engine.open's `prefetch` (a PrefetchConfig,
+    or False)."""
     from pathlib import Path
 
     from .errors import ConfigError
     from .prefetch.prefetcher import PrefetchConfig
 
-    if args.prefetch_depth < 1:
-        raise ConfigError(f"--prefetch-depth must be an integer >= 1, got {args.prefetch_depth}")
+    for flag, value in (("--prefetch-depth", args.prefetch_depth), ("--prefetch-reads", args.prefetch_reads)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be an integer >= 1, got {value}")
     if args.trace is not None and not Path(args.trace).is_file():
         raise ConfigError(f"--trace {args.trace}: no such file (write one with tools/trace_experts.py record)")
-    return args.prefetch != "off" and PrefetchConfig(depth=args.prefetch_depth, adaptive=args.prefetch == "adaptive")
+    return args.prefetch != "off" and PrefetchConfig(depth=args.prefetch_depth, reads=args.prefetch_reads,
+                                                     adaptive=args.prefetch == "adaptive")
 
 
 def _set_compute_threads(threads: str, engine: Any) -> None:

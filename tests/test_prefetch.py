@@ -143,7 +143,8 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
                        "--out", str(trace)]) == 0
     base = ["run", "--model", str(path), "--ram", "25%", "--context", "64", "--max-new-tokens", "24", "--json",
             "--quiet", "--prompt", "x"]
-    for extra, enabled in ((["--trace", str(trace), "--prefetch", "on", "--prefetch-depth", "2"], True),
+    for extra, enabled in ((["--trace", str(trace), "--prefetch", "on", "--prefetch-depth", "2",
+                             "--prefetch-reads", "3"], True),
                            (["--prefetch", "off"], False)):
         capsys.readouterr()
         assert main(base + extra) == 0
@@ -156,8 +157,9 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
         bad.write_text(text)
         assert main(base + ["--trace", str(bad)]) != 0
         assert "bad.json" in capsys.readouterr().err
-    assert main(base + ["--prefetch-depth", "0"]) != 0
-    assert "--prefetch-depth" in capsys.readouterr().err
+    for flag in ("--prefetch-depth", "--prefetch-reads"):
+        assert main(base + [flag, "0"]) != 0
+        assert flag in capsys.readouterr().err
     assert main(base + ["--threads", "0"]) != 0
     assert "--threads" in capsys.readouterr().err
     assert main(base + ["--threads", "1"]) == 0 and torch.get_num_threads() == 1
