@@ -161,3 +161,22 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
             if fd is not None:
                 os.close(fd)
         files.close()
+
+
+def test_slot_indexes_agree_with_the_slots(checkpoint_factory):
+    """The per-kind indexes a miss uses instead of scanning every slot (occupied slots by layer, free slots) agree
+    with the slots themselves after requests that evict, prefetch and fail reads."""
+    path = checkpoint_factory("qwen3_moe", "offload")
+    with Engine.open(path, budget=Budget(vram="8%", ram="20%"), max_context=CONTEXT) as engine:
+        for prompt in (PROMPT, PROMPT[::-1], PROMPT[3:]):
+            engine.generate(prompt, max_new_tokens=8, ignore_eos=True)
+        for tier in engine.store.tiers:
+            for kind, pool in tier.pools.items():
+                held = {s.index for s in pool if s.key is not None}
+                indexed = [i for group in tier.by_layer.get(kind, {}).values() for i in group]
+                assert sorted(indexed) == sorted(held), (tier.name, kind)
+                for s in pool:
+                    if s.key is not None:
+                        assert tier.resident[s.key] is s and s.index in tier.by_layer[kind][s.key.layer]
+                    else:
+                        assert s in tier.free.get(kind, []), (tier.name, kind, s.index)

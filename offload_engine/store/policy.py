@@ -7,7 +7,7 @@ per-layer partition keeps a share of slots per layer and evicts within the incom
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 POLICIES = ("lru", "lfu", "layer-lru")
 LFU_HALF_LIFE = 64.0  # uses: older accesses count half after this many store ticks
@@ -34,15 +34,17 @@ def choose_victim(policy: str, candidates: Sequence[Usage], incoming_layer: int,
     if policy == "lfu":
         return min(candidates, key=lambda u: (aged_count(u.score, u.last_use, now), u.last_use, u.slot)).slot
     if policy == "layer-lru":
-        own = [u for u in candidates if u.layer == incoming_layer]
         per_layer: dict[int, int] = {}
         for u in candidates:
             per_layer[u.layer] = per_layer.get(u.layer, 0) + 1
-        # Evict within the incoming layer once it holds its share; otherwise from the layer most over its share.
-        if own and len(own) >= layer_share:
-            pool = own
-        else:
-            heaviest = max(per_layer, key=lambda l: (per_layer[l], -l))
-            pool = [u for u in candidates if u.layer == heaviest]
-        return min(pool, key=lambda u: (u.last_use, u.slot)).slot
+        layer = layer_to_evict(per_layer.get(incoming_layer, 0), layer_share, per_layer, incoming_layer)
+        return min((u for u in candidates if u.layer == layer), key=lambda u: (u.last_use, u.slot)).slot
     raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+
+
+def layer_to_evict(own: int, layer_share: int, per_layer: Mapping[int, int], incoming_layer: int) -> int:
+    """layer-lru: evict within the incoming unit's layer once it holds its share (`own` units), otherwise from
+    the layer holding the most (`per_layer`: units per layer; ties: the lowest layer)."""
+    if (own and own >= layer_share) or not per_layer:
+        return incoming_layer
+    return max(per_layer, key=lambda l: (per_layer[l], -l))

@@ -35,7 +35,7 @@ from .disk import (BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range
                    read_unit_direct)
 from .gds import GdsReader
 from .ledger import Ledger
-from .policy import Usage, choose_victim
+from .policy import Usage, choose_victim, layer_to_evict
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
 from .tier import Slot, Tier
 
@@ -114,8 +114,7 @@ class TieredStore:
             for kind in tier.pinned_kinds:
                 keys = [k for k in self.checkpoint.layouts if k.kind == kind]
                 for key, slot in zip(keys, tier.pools[kind]):
-                    slot.key = key
-                    tier.resident[key] = slot
+                    tier.place(slot, key)
                     jobs.append((key, slot))
         total = sum(self.checkpoint.layouts[k].nbytes for k, _ in jobs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress) as bar:
@@ -250,40 +249,63 @@ class TieredStore:
         prefetch never evicts a unit prefetched and not yet judged (the layer after next must not throw away the
         next layer's unit)."""
         with self._lock:
-            pool = tier.pools.get(key.kind, [])
-            slot, candidates, stale, held = None, [], None, 0
-            # one pass (this runs on the compute thread for every miss, over every slot of the kind)
-            for s in pool:
-                if s.loading is not None:
-                    self._settle(tier, s)
-                if s.key is None:
-                    slot = s
-                    break
-                held += s.prefetched
-                if s.refs or s.loading is not None:
-                    continue
-                if s.stale:
-                    if stale is None or s.last_use < stale.last_use:
-                        stale = s
-                elif not (prefetching and s.prefetched) and (used_before is None or s.last_use < used_before):
-                    candidates.append(Usage(s.index, s.key.layer, s.last_use, s.score))
-            if slot is None and stale is not None:
-                slot = stale
-            elif slot is None:
-                if not candidates or (prefetching and held >= self.prefetch_slots):
+            slot = tier.take_free(key.kind) or self._stale_victim(tier, key.kind)
+            if slot is None:
+                if prefetching and len(tier.flagged(tier.prefetched, key.kind, "prefetched")) >= self.prefetch_slots:
                     return None
-                # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
-                policy = self.policy if key.kind == "expert" else "lru"
-                share = max(1, len(pool) // self._expert_layers)
-                slot = pool[choose_victim(policy, candidates, key.layer, share, self._tick)]
+                victim = self._victim(tier, key, used_before, prefetching)
+                slot = tier.take_free(key.kind) or victim  # settling may have emptied a slot
+                if slot is None:
+                    return None
             if slot.key is not None:
                 if slot.prefetched:
                     self.stats.prefetch_wasted += 1
-                del tier.resident[slot.key]
-            slot.key, slot.refs, slot.score, slot.prefetched, slot.stale = key, 1, 0.0, False, False
+                tier.unplace(slot)
+            tier.place(slot, key)
+            slot.refs, slot.score, slot.prefetched, slot.stale = 1, 0.0, False, False
             slot.loading = Future()  # placeholder until the real future is attached
-            tier.resident[key] = slot
             return slot
+
+    def _stale_victim(self, tier: Tier, kind: str) -> Slot | None:
+        """The least recently used stale prefetch nobody holds (call with the lock held)."""
+        best = None
+        for s in tier.flagged(tier.stale, kind, "stale"):
+            if s.loading is not None:
+                self._settle(tier, s)
+            if s.stale and s.key is not None and not s.refs and s.loading is None:
+                if best is None or s.last_use < best.last_use:
+                    best = s
+        return best
+
+    def _victim(self, tier: Tier, key: UnitKey, used_before: int | None, prefetching: bool) -> Slot | None:
+        """The unit to evict per policy, among evictable ones (call with the lock held). layer-lru looks at the
+        incoming unit's layer and at the layer holding the most slots, not at every slot (O(slots per layer) per
+        miss); the other policies, and layer-lru when those two layers have nothing evictable, scan the pool."""
+        pool = tier.pools.get(key.kind, [])
+        # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
+        policy = self.policy if key.kind == "expert" else "lru"
+        share = max(1, len(pool) // self._expert_layers)
+
+        def evictable(slots: Iterable[Slot]) -> list[Usage]:
+            out = []
+            for s in slots:
+                if s.loading is not None:
+                    self._settle(tier, s)
+                if (s.key is None or s.refs or s.loading is not None or s.stale or (prefetching and s.prefetched)
+                        or (used_before is not None and s.last_use >= used_before)):
+                    continue
+                out.append(Usage(s.index, s.key.layer, s.last_use, s.score))
+            return out
+
+        if policy == "layer-lru":
+            groups = tier.by_layer.get(key.kind, {})
+            own = evictable(list(groups.get(key.layer, {}).values()))
+            layer = layer_to_evict(len(own), share, {l: len(g) for l, g in groups.items()}, key.layer)
+            candidates = own if layer == key.layer else evictable(list(groups.get(layer, {}).values()))
+            if candidates:
+                return pool[choose_victim("lru", candidates, key.layer, share, self._tick)]
+        candidates = evictable(pool)
+        return pool[choose_victim(policy, candidates, key.layer, share, self._tick)] if candidates else None
 
     def _settle(self, tier: Tier, slot: Slot) -> None:
         """A read nobody waits for any more (its request failed or stopped early) has finished: a landed unit
@@ -299,8 +321,9 @@ class TieredStore:
 
     def _drop(self, tier: Tier, slot: Slot) -> None:
         with self._lock:
-            if slot.key is not None and tier.resident.get(slot.key) is slot:
-                del tier.resident[slot.key]
+            if slot.key is not None:
+                tier.unplace(slot)
+                tier.free.setdefault(slot.kind, []).append(slot)
             slot.key, slot.refs, slot.loading, slot.prefetched, slot.stale = None, 0, None, False, False
 
     def _touch(self, slot: Slot) -> None:
@@ -453,8 +476,9 @@ class TieredStore:
 
     def _prefetches_in_flight(self, kind: str | None = None) -> list[Future]:
         with self._lock:
-            return [s.loading for s in self.compute.resident.values()
-                    if s.prefetched and s.loading is not None and (kind is None or s.kind == kind)]
+            kinds = [kind] if kind is not None else list(self.compute.prefetched)
+            return [s.loading for k in kinds for s in self.compute.flagged(self.compute.prefetched, k, "prefetched")
+                    if s.loading is not None]
 
     @property
     def tick(self) -> int:
@@ -482,6 +506,7 @@ class TieredStore:
                     continue
                 # as recent as the latest use: otherwise it keeps its victim's age and is the next victim itself
                 slot.refs, slot.prefetched, slot.last_use = 0, True, self._tick
+                self.compute.prefetched.setdefault(key.kind, {})[slot.index] = slot
                 slot.loading = self.pool.submit(PREFETCH, partial(self._prefetch_fill, key, slot), str(key))
                 self.stats.prefetch_issued += 1
                 started += 1
@@ -502,6 +527,7 @@ class TieredStore:
                     cancelled += 1
                 else:
                     slot.stale = True
+                    self.compute.stale.setdefault(key.kind, {})[slot.index] = slot
         return cancelled
 
     def peek(self, key: UnitKey) -> Weights | None:

@@ -38,6 +38,13 @@ class Tier:
     pinned_kinds: set[str]
     pools: dict[str, list[Slot]] = field(default_factory=dict)
     resident: dict[UnitKey, Slot] = field(default_factory=dict)
+    # Per kind, so a miss does not scan every slot (thousands on a large model): occupied slots by their unit's
+    # layer, and free slots. The free lists are checked when taken (entries may be stale), never trusted.
+    by_layer: dict[str, dict[int, dict[int, Slot]]] = field(default_factory=dict)
+    free: dict[str, list[Slot]] = field(default_factory=dict)
+    # slots handed to a prefetch and marked stale, per kind: registers pruned when read (their flags decide)
+    prefetched: dict[str, dict[int, Slot]] = field(default_factory=dict)
+    stale: dict[str, dict[int, Slot]] = field(default_factory=dict)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
         pool = self.pools.setdefault(kind, [])
@@ -50,10 +57,45 @@ class Tier:
                 ledger.credit(self.name, slot_bytes, f"{kind} slots")
                 raise
             pool.append(Slot(self.name, kind, len(pool), blob))
+        self.free[kind] = [s for s in reversed(pool) if s.key is None]  # taken from the end: lowest index first
+
+    def place(self, slot: Slot, key: UnitKey) -> None:
+        """`slot` now holds `key` (an empty slot, or one whose unit was `unplace`d)."""
+        slot.key = key
+        self.resident[key] = slot
+        self.by_layer.setdefault(slot.kind, {}).setdefault(key.layer, {})[slot.index] = slot
+
+    def unplace(self, slot: Slot) -> None:
+        """Forget the unit `slot` holds in the maps (the caller resets or replaces `slot.key`)."""
+        if slot.key is None:
+            return
+        if self.resident.get(slot.key) is slot:
+            del self.resident[slot.key]
+        layers = self.by_layer.get(slot.kind, {})
+        group = layers.get(slot.key.layer)
+        if group is not None:
+            group.pop(slot.index, None)
+            if not group:
+                del layers[slot.key.layer]
+
+    def take_free(self, kind: str) -> Slot | None:
+        stack = self.free.get(kind, [])
+        while stack:
+            slot = stack.pop()
+            if slot.key is None:
+                return slot
+        return None
+
+    def flagged(self, register: dict[str, dict[int, Slot]], kind: str, flag: str) -> list[Slot]:
+        """The slots of `register[kind]` whose `flag` is still set, dropping the others from the register."""
+        slots = register.get(kind, {})
+        for index in [i for i, s in slots.items() if not getattr(s, flag)]:
+            del slots[index]
+        return list(slots.values())
 
     def free_all(self, ledger: Ledger) -> None:
         for kind, pool in self.pools.items():
             for slot in pool:
                 ledger.credit(self.name, slot.blob.numel(), f"{kind} slots")
-        self.pools.clear()
-        self.resident.clear()
+        for index in (self.pools, self.resident, self.by_layer, self.free, self.prefetched, self.stale):
+            index.clear()
