@@ -8,7 +8,6 @@ that thread ends the suspended stream first.
 from __future__ import annotations
 
 import logging
-
 import os
 import threading
 import weakref

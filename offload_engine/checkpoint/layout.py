@@ -53,6 +53,16 @@ class UnitLayout:
         """Byte ranges to read, adjacent ones merged (same file, contiguous on disk and in the blob)."""
         return self._read_ranges
 
+    @cached_property
+    def single_range(self) -> ReadRange | None:
+        """The unit's one read range when its bytes are one run of the file laid out in the blob from offset 0
+        and every tensor starts at a multiple of its element size in the file, so the blob may start at any
+        offset of the file's page and the typed views stay aligned (store/disk.read_unit_direct); else None."""
+        ranges = self.read_ranges()
+        if len(ranges) != 1 or ranges[0].blob_offset != 0:
+            return None
+        return None if any(s.file_offset % dtype_align(s.dtype) for s in self.slices) else ranges[0]
+
     @cached_property  # asked on every read of the unit, by a reader thread holding the GIL
     def _read_ranges(self) -> tuple[ReadRange, ...]:
         ranges: list[ReadRange] = []
@@ -64,6 +74,11 @@ class UnitLayout:
             else:
                 ranges.append(ReadRange(s.file, s.file_offset, s.nbytes, s.blob_offset))
         return tuple(ranges)
+
+
+def dtype_align(dtype: str) -> int:
+    """Bytes a typed view of `dtype` must start at a multiple of (its element size)."""
+    return max(1, DTYPES[dtype][0] // 8)
 
 
 def build_layout(key: UnitKey, specs: dict[str, TensorSpec], records: dict[str, TensorRecord]) -> UnitLayout:
@@ -78,7 +93,7 @@ def build_layout(key: UnitKey, specs: dict[str, TensorSpec], records: dict[str, 
     parts.sort(key=lambda p: (str(p[0]), p[1]))
     slices, pos = [], 0
     for file, offset, nbytes, local, dtype, shape in parts:
-        align = max(1, DTYPES[dtype][0] // 8)
+        align = dtype_align(dtype)
         pos = -(-pos // align) * align
         slices.append(TensorSlice(local, file, offset, nbytes, pos, dtype, tuple(shape)))
         pos += nbytes

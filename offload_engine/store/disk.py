@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.index import DTYPES, ShardInfo
+from ..checkpoint.index import ShardInfo
 from ..checkpoint.layout import ReadRange, UnitLayout
 from ..errors import IOFault
 from .readers import reading
@@ -198,13 +198,9 @@ def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: Sha
     page-aligned surroundings into a page-aligned part of `blob`. Returns where the unit's bytes begin in `blob`
     (the slot's offset for its views), or None when this unit cannot be read so (several ranges, a slot without
     DIRECT_SLACK, or tensors whose file offsets would leave a typed view misaligned): use read_range_direct."""
-    ranges = layout.read_ranges()
-    if len(ranges) != 1 or ranges[0].blob_offset != 0:
+    r = layout.single_range
+    if r is None:
         return None
-    r = ranges[0]
-    if any((s.file_offset - r.file_offset) != s.blob_offset or s.file_offset % _itemsize(s.dtype)
-           for s in layout.slices):
-        return None  # a typed view must start at a multiple of its element size, as the layout guarantees
     pad = -blob.data_ptr() % ALIGN
     start = r.file_offset - r.file_offset % ALIGN
     length = -(-(r.file_offset + r.nbytes - start) // ALIGN) * ALIGN
@@ -214,10 +210,6 @@ def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: Sha
     _pread_aligned(fd, r, start, r.file_offset + r.nbytes, dest, files)
     _verify_after(fd, r, files)
     return pad + r.file_offset - start
-
-
-def _itemsize(dtype: str) -> int:
-    return max(1, DTYPES[dtype][0] // 8)
 
 
 def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memoryview,

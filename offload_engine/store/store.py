@@ -150,8 +150,8 @@ class TieredStore:
 
     def _read_unit_direct(self, layout: UnitLayout, blob: torch.Tensor) -> int | None:
         """O_DIRECT straight into the slot (no bounce copy) when the unit allows it: the offset of its bytes."""
-        ranges = layout.read_ranges()
-        fd = self._direct_fd(ranges[0].file) if len(ranges) == 1 else None
+        r = layout.single_range
+        fd = self._direct_fd(r.file) if r is not None else None
         return None if fd is None else read_unit_direct(fd, layout, blob, self.files)
 
     def _read_range(self, r: ReadRange, blob: torch.Tensor) -> None:
@@ -335,13 +335,11 @@ class TieredStore:
         cached = slot.views
         if cached is None or cached[0] != (key, slot.offset):
             views = self.checkpoint.layouts[key].views(slot.blob[slot.offset:])
-            cast = any(v.is_floating_point() and v.dtype != self.dtype for v in views.values())
+            cast = frozenset(k for k, v in views.items() if v.is_floating_point() and v.dtype != self.dtype)
             cached = slot.views = ((key, slot.offset), views, cast)
         _, views, cast = cached
-        if not cast:
-            return dict(views)  # a copy: callers may rebind entries, never the slot's cached views
-        return {k: (v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v)
-                for k, v in views.items()}
+        # a copy: callers may rebind entries, never the slot's cached views
+        return {k: (v.to(self.dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
 
     # ---- public API -------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:

@@ -25,10 +25,10 @@ class Slot:
     score: float = 0.0  # aged use count (LFU)
     prefetched: bool = False  # filled by a prefetch and not yet used
     stale: bool = False  # a prefetch its layer's routing did not use: the first victim of any read
-    # typed views of the unit last viewed here, for which (key, offset), and whether they need a cast to the
-    # compute dtype: valid while (key, offset) match, a unit's layout in its blob being fixed (building them
-    # costs ~30 us of Python per acquire)
-    views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor], bool] | None = None
+    # typed views of the unit last viewed here, for which (key, offset), and the names of those that need a cast
+    # to the compute dtype: valid while (key, offset) match, a unit's layout in its blob being fixed (building
+    # them costs ~30 us of Python per acquire)
+    views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor], frozenset[str]] | None = None
 
 
 @dataclass(eq=False)
