@@ -42,24 +42,30 @@ def test_placement_never_exceeds_a_budget(sizes, compute, host, kv, staging, sep
     for tier in p.tiers:
         if tier.budget is not None:
             assert tier.used(sizes) <= tier.budget
-    for kind, size in sizes.items():  # every unit is reachable: pinned somewhere or streamed via compute slots
-        assert p.home(kind) != "disk" or p.compute.slots.get(kind, 0) >= 1
+    for kind, size in sizes.items():  # every unit is reachable: pinned, streamed via compute slots, or read by rows
+        assert p.home(kind) != "disk" or p.by_rows(kind) or p.compute.slots.get(kind, 0) >= 1
+        assert not p.by_rows(kind) or not any(t.slots.get(kind) for t in p.tiers)
     assert plan_placement(sizes, compute, host, kv, staging, separate_host=separate).to_json() == p.to_json()
 
 
 def test_placement_exact_on_toy_sizes():
     sizes = {"embed": KindSize("embed", 1, 100), "head": KindSize("head", 1, 100),
              "dense": KindSize("dense", 4, 50), "expert": KindSize("expert", 32, 10)}
-    # compute tier: kv 30 + minimum (embed 100, head 100, dense 2x50, expert 2x10) = 350; dense whole = +100
+    # compute tier: kv 30 + minimum (head 100, dense 2x50, expert 2x10; the embedding needs no slot) = 250;
+    # dense whole = +100; the embedding (100) would leave no room for all 32 experts, so it goes to the host
     p = plan_placement(sizes, compute_budget=500, host_budget=None, kv_bytes=30, separate_host=True)
     dev, host = p.tiers
-    assert dev.pinned == ["dense", "head", "embed"]
-    assert dev.slots == {"embed": 1, "head": 1, "dense": 4, "expert": 7}  # 450, then 5 more experts fill 500
-    assert dev.used(sizes) == 30 + 100 + 100 + 200 + 70 == 500
-    assert host.pinned == ["expert"] and host.slots == {"expert": 32}
+    assert dev.pinned == ["dense", "head"]
+    assert dev.slots == {"head": 1, "dense": 4, "expert": 17}  # 350, then 15 more experts fill 500
+    assert dev.used(sizes) == 30 + 100 + 200 + 170 == 500
+    assert host.pinned == ["embed", "expert"] and host.slots == {"embed": 1, "expert": 32}
     with pytest.raises(BudgetError) as err:
-        plan_placement(sizes, compute_budget=349, host_budget=None, kv_bytes=30)
-    assert err.value.required == 350 and err.value.available == 349
+        plan_placement(sizes, compute_budget=249, host_budget=None, kv_bytes=30)
+    assert err.value.required == 250 and err.value.available == 249
+    alone = plan_placement(sizes, compute_budget=1000, host_budget=None, kv_bytes=30, separate_host=False)
+    assert alone.by_rows("embed") is False and alone.tiers[0].pinned == ["dense", "head", "embed", "expert"]
+    tight = plan_placement(sizes, compute_budget=500, host_budget=None, kv_bytes=30, separate_host=False)
+    assert tight.by_rows("embed") and "embed" not in tight.tiers[0].slots and "embed (rows)" in tight.describe()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -36,25 +36,28 @@ TOY = {"embed": KindSize("embed", 1, 100), "head": KindSize("head", 1, 100), "de
 def test_toy_placement_exact():
     p = plan_placement(TOY, compute_budget=400, host_budget=1000, kv_bytes=20, staging_bytes=8)
     device, host = p.tiers
-    # minimum working set 100 + 100 + 2 x 50 + 2 x 10 + 20 KV = 340; 60 left: dense (100 more) does not fit,
-    # experts get 6 more slots
-    assert device.slots == {"embed": 1, "head": 1, "dense": 2, "expert": 8}
-    assert sorted(device.pinned) == ["embed", "head"]
+    # minimum working set 100 (head) + 2 x 50 + 2 x 10 + 20 KV = 240 (the embedding needs no slot); 160 left:
+    # dense whole (+100); the embedding only with room for all the rest, which there is not; 6 more experts
+    assert device.slots == {"head": 1, "dense": 4, "expert": 8}
+    assert sorted(device.pinned) == ["dense", "head"]
     assert device.used(TOY) == 400
-    assert host.slots == {"dense": 4, "expert": 16} and sorted(host.pinned) == ["dense", "expert"]
-    assert host.used(TOY) == 8 + 200 + 160
-    assert p.home("dense") == "host" and p.home("expert") == "host" and p.home("embed") == "device"
+    # the host holds all the rest, so it holds the embedding too: lookups gather their rows from it
+    assert host.slots == {"embed": 1, "expert": 16} and sorted(host.pinned) == ["embed", "expert"]
+    assert host.used(TOY) == 8 + 100 + 160
+    assert p.home("dense") == "device" and p.home("expert") == "host" and p.home("embed") == "host"
+    assert not p.by_rows("embed")
 
 
 def test_toy_staging_invariant_room_for_the_largest_unit_below():
     """Every kind not pinned on the compute tier keeps slots there for its largest unit (two where the kind has
     several units, so a read lands while another unit computes)."""
-    p = plan_placement(TOY, compute_budget=340, host_budget=50, kv_bytes=20)
+    p = plan_placement(TOY, compute_budget=300, host_budget=50, kv_bytes=20)
     device = p.tiers[0]
     for kind, size in TOY.items():
-        if kind not in device.pinned:
+        if kind not in device.pinned and not p.by_rows(kind):
             assert device.slots[kind] * size.slot_bytes >= min(2, size.count) * size.slot_bytes
     assert p.home("dense") == "disk" and p.tiers[1].slots == {"dense": 1}  # host: what fits, 50 B
+    assert p.by_rows("embed") and "embed" not in device.slots  # read by rows: no slot anywhere
 
 
 def test_toy_cuda_host_staging_exact():
@@ -63,28 +66,31 @@ def test_toy_cuda_host_staging_exact():
     kinds pinned on the device keep theirs (their units load through the host too)."""
     p = plan_placement(TOY, compute_budget=400, host_budget=500, kv_bytes=20, staging_bytes=8, host_staging=4)
     device, host = p.tiers
-    assert device.slots == {"embed": 1, "head": 1, "dense": 2, "expert": 8} and device.used(TOY) == 400
-    # staging: embed 100 + head 100 + dense 4 x 50 + expert 4 x 10 + 8 bounce = 448; 52 left: dense is whole
-    # already (pinned for free), 5 more expert slots (50 B) fill the rest
-    assert host.staging_slots == {"embed": 1, "head": 1, "dense": 4, "expert": 4}
-    assert host.slots == {"embed": 1, "head": 1, "dense": 4, "expert": 9}
-    assert host.pinned == ["dense"] and host.used(TOY) == 8 + 100 + 100 + 200 + 90 == 498
+    assert device.slots == {"head": 1, "dense": 4, "expert": 8} and device.used(TOY) == 400
+    # staging: head 100 + dense 4 x 50 + expert 4 x 10 + 8 bounce = 348 (the device cannot hold everything, so
+    # the embedding is read by rows and needs no staging slot); 152 left: 12 more expert slots pin all experts,
+    # and the embedding (100) does not fit beside them
+    assert host.staging_slots == {"head": 1, "dense": 4, "expert": 4}
+    assert host.slots == {"head": 1, "dense": 4, "expert": 16}
+    assert host.pinned == ["expert"] and host.used(TOY) == 8 + 100 + 200 + 160 == 468
+    assert p.by_rows("embed")
     for kind, size in TOY.items():  # the invariant: room on the host for the largest unit of every kind below it
-        assert host.slots[kind] >= min(4, size.count) and p.sizes[kind].slot_bytes == size.slot_bytes
+        if not p.by_rows(kind):
+            assert host.slots[kind] >= min(4, size.count) and p.sizes[kind].slot_bytes == size.slot_bytes
     assert Placement.from_json(p.to_json()).tiers[1].staging_slots == host.staging_slots
     assert "reserved as staging" in p.describe()
 
 
 def test_toy_cuda_host_staging_refused_one_byte_short():
-    ok = plan_placement(TOY, compute_budget=400, host_budget=448, kv_bytes=20, staging_bytes=8, host_staging=4)
-    assert ok.tiers[1].used(TOY) == 448 and ok.tiers[1].slots == {"embed": 1, "head": 1, "dense": 4, "expert": 4}
+    ok = plan_placement(TOY, compute_budget=400, host_budget=348, kv_bytes=20, staging_bytes=8, host_staging=4)
+    assert ok.tiers[1].used(TOY) == 348 and ok.tiers[1].slots == {"head": 1, "dense": 4, "expert": 4}
     with pytest.raises(BudgetError) as e:
-        plan_placement(TOY, compute_budget=400, host_budget=447, kv_bytes=20, staging_bytes=8, host_staging=4)
-    assert e.value.resource == "host" and e.value.required == 448 and e.value.available == 447
+        plan_placement(TOY, compute_budget=400, host_budget=347, kv_bytes=20, staging_bytes=8, host_staging=4)
+    assert e.value.resource == "host" and e.value.required == 348 and e.value.available == 347
     assert "dense x4=200 B" in str(e.value) and "disk -> host -> device" in str(e.value)
     # without host staging (the CPU engine reads disk -> compute slot) the same budget is fine
     cpu = plan_placement(TOY, compute_budget=400, host_budget=100, kv_bytes=20, staging_bytes=8)
-    assert cpu.tiers[1].staging_slots == {} and cpu.tiers[1].slots == {"dense": 1, "expert": 4}
+    assert cpu.tiers[1].staging_slots == {} and cpu.tiers[1].slots == {"expert": 9}
 
 
 @settings(max_examples=300, deadline=None)
@@ -101,6 +107,10 @@ def test_host_staging_invariant_holds_or_is_refused_with_numbers(counts, unit, c
         return
     device, tier = p.tiers
     for kind, size in sizes.items():
+        if kind == "embed" and "embed" not in device.pinned:  # read by rows or from the host: no staging slot
+            assert kind not in tier.staging_slots
+            assert p.home(kind) == "host" or p.by_rows(kind)
+            continue
         assert tier.staging_slots[kind] == min(threads, size.count) <= tier.slots[kind]
         assert p.home(kind) != "disk" or device.slots[kind] >= 1
     for t in p.tiers:
@@ -116,17 +126,19 @@ def test_toy_host_staging_caps_at_the_unit_count():
 
 def test_toy_infeasible_budget_names_the_numbers():
     with pytest.raises(BudgetError) as e:
-        plan_placement(TOY, compute_budget=339, host_budget=1000, kv_bytes=20)
+        plan_placement(TOY, compute_budget=239, host_budget=1000, kv_bytes=20)
     msg = str(e.value)
-    assert "device budget too small" in msg and "(340 bytes)" in msg and "(339 bytes)" in msg
-    assert "kv cache=20 B" in msg and "expert x2=20 B" in msg
-    assert e.value.required == 340 and e.value.available == 339
+    assert "device budget too small" in msg and "(240 bytes)" in msg and "(239 bytes)" in msg
+    assert "kv cache=20 B" in msg and "expert x2=20 B" in msg and "embed" not in msg
+    assert e.value.required == 240 and e.value.available == 239
 
 
 def test_toy_single_tier():
     p = plan_placement(TOY, compute_budget=500, host_budget=None, kv_bytes=0, separate_host=False)
     assert len(p.tiers) == 1 and p.tiers[0].name == "host"
-    assert p.tiers[0].slots == {"embed": 1, "head": 1, "dense": 4, "expert": 10}
+    assert p.tiers[0].slots == {"head": 1, "dense": 4, "expert": 16} and p.by_rows("embed")
+    whole = plan_placement(TOY, compute_budget=560, host_budget=None, kv_bytes=0, separate_host=False)
+    assert whole.tiers[0].slots == {"head": 1, "dense": 4, "embed": 1, "expert": 16} and not whole.streams
 
 
 # ---- the planner agrees with the store on real checkpoints --------------------------------------------------------
@@ -163,13 +175,13 @@ def test_cuda_plan_reserves_host_staging_for_every_kind(qwen):
     from offload_engine.store.build import READER_THREADS
 
     with pytest.raises(BudgetError) as e:
-        plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # the 594 MiB embedding's staging slot alone
+        plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # the 594 MiB head's staging slot alone
     assert e.value.resource == "host" and "disk -> host -> device" in str(e.value)
     p = plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=4 << 30))
     host, sizes = p.placement.tiers[1], p.placement.sizes
-    assert host.staging_slots == {k: min(READER_THREADS, s.count) for k, s in sizes.items()}
+    assert host.staging_slots == {k: min(READER_THREADS, s.count) for k, s in sizes.items() if k != "embed"}
     assert all(host.slots[k] >= n for k, n in host.staging_slots.items())
-    assert p.placement.home("embed") == "device" and host.slots["embed"] == 1  # loaded through the host
+    assert p.placement.by_rows("embed") and "embed" not in host.slots  # 30B on 12 GiB: lookups read rows
     assert memory_table(p)["host"]["staging_slots"] == sum(n * sizes[k].slot_bytes
                                                            for k, n in host.staging_slots.items())
     cpu = plan(qwen, CPU, PlanOptions(vram=12 << 30, ram=4 << 30))  # the CPU engine reads into compute slots

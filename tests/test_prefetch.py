@@ -176,12 +176,12 @@ def wait_landed(store, key: UnitKey, timeout: float = 10.0) -> None:
 
 
 def test_store_prefetch_spares_unused_prefetches_and_acquire_reads_before_it_yields():
-    """The bundled model at 18% streams its dense units through two slots (one in use): reading the layer
+    """The bundled model at 16% streams its dense units through two slots (one in use): reading the layer
     after next must not evict the next layer's prefetched, unused unit; and acquire starts the read of a
     missing unit before it hands out the resident ones."""
     from offload_engine.defaults import default_model_path
 
-    with Engine.open(default_model_path(), budget=Budget(ram="18%"), max_context=64, prefetch=False) as engine:
+    with Engine.open(default_model_path(), budget=Budget(ram="16%"), max_context=64, prefetch=False) as engine:
         store = engine.store
         assert store.placement.home("dense") == "disk" and store.placement.compute.slots["dense"] == 2
         d0, d1, d2 = (UnitKey(layer, "dense") for layer in range(3))

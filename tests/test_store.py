@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload_engine import Budget, BudgetError, Engine, IOFault
+from offload_engine.runtime.moe import routed_experts
 from offload_engine.store.disk import read_range
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 33, 2, 77, 101, 9, 200]
@@ -180,3 +181,66 @@ def test_slot_indexes_agree_with_the_slots(checkpoint_factory):
                         assert tier.resident[s.key] is s and s.index in tier.by_layer[kind][s.key.layer]
                     else:
                         assert s in tier.free.get(kind, []), (tier.name, kind, s.index)
+
+
+def test_recency_follows_the_sequence_not_the_landing_order(checkpoint_factory):
+    """routed_experts orders a layer's experts as a token-by-token pass would last have used them (by last token,
+    then routing weight) and acquire stamps recency in that order: a unit that lands after a resident one is
+    still older when the caller listed it first, so a prefill leaves the last tokens' experts cached."""
+    indices = torch.tensor([[3, 1], [2, 3], [5, 4]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
+    assert routed_experts(indices, weights) == [1, 3, 2, 5, 4]
+    path = checkpoint_factory("qwen3_moe", "offload")
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, prefetch=False) as engine:
+        engine.generate(PROMPT, max_new_tokens=2, ignore_eos=True)
+        store = engine.store
+        resident = next(k for k in store.compute.resident if k.kind == "expert")
+        missing = next(k for k in store.checkpoint.layouts
+                       if k.kind == "expert" and k.layer == resident.layer and k not in store.compute.resident)
+        landed = []
+        for key, _ in store.acquire([missing, resident]):
+            landed.append(key)
+            store.release([key])
+        assert landed == [resident, missing]  # resident first, the read after it
+        assert store.compute.resident[missing].last_use < store.compute.resident[resident].last_use
+
+
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_embedding_rows_are_read_on_demand_when_not_pinned(checkpoint_factory, direct_io):
+    """Below the budget that holds everything, the embedding gets no slot: a lookup reads the rows its distinct ids
+    need (adjacent ids in one range), from the checkpoint, bytes equal to the table's rows; a read fault there
+    names the shard and the row's offset; with a host tier that holds the rest, the rows come from its copy."""
+    from safetensors import safe_open
+
+    from offload_engine.checkpoint.naming import UnitKey
+
+    path = checkpoint_factory("qwen3_moe", "offload")
+    key = UnitKey(-1, "embed")
+    faulty = Faulty()
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io=direct_io,
+                     read_fn=faulty) as engine:
+        store = engine.store
+        assert store.placement.by_rows("embed") and all("embed" not in t.pools for t in store.tiers)
+        tensor = store.checkpoint.layouts[key].slices[0]
+        with safe_open(tensor.file, "pt") as f:
+            table = f.get_tensor("model.embed_tokens.weight")
+        row_bytes = tensor.nbytes // tensor.shape[0]
+        before = store.stats.bytes_read_disk
+        w, ids = store.rows(key, torch.tensor([5, 3, 5, 4, 9]))
+        assert store.stats.bytes_read_disk - before == 4 * row_bytes  # rows 3-5 and 9: two ranges, 4 rows
+        assert ids.tolist() == [2, 0, 2, 1, 3] and torch.equal(w["weight"], table[[3, 4, 5, 9]])
+        with pytest.raises(IndexError, match="outside"):
+            store.rows(key, torch.tensor([tensor.shape[0]]))
+        if direct_io == "off":
+            faulty.fail_at = faulty.calls + 1
+            with pytest.raises(IOFault) as err:
+                store.rows(key, torch.tensor([7]))
+            assert str(tensor.file) in str(err.value) and str(tensor.file_offset + 7 * row_bytes) in str(err.value)
+    with Engine.open(path, budget=Budget(vram="20%", ram="100%"), max_context=CONTEXT) as engine:
+        store = engine.store
+        assert store.placement.home("embed") == "host" and "embed" not in store.compute.pools
+        before = store.stats.bytes_read_disk
+        w, ids = store.rows(key, torch.tensor([5, 3]))
+        assert store.stats.bytes_read_disk == before and torch.equal(w["weight"], table[[3, 5]])
+    with Engine.open(path, max_context=CONTEXT) as engine:  # everything fits: held whole, looked up in place
+        assert engine.store is None or engine.store.rows(key, torch.tensor([1])) is None

@@ -8,6 +8,12 @@ Order of preference on each tier: the KV cache (compute tier only), then whole k
 (dense layers, head, embeddings: pinned when all of a kind fits), then expert cache slots with what is left.
 A kind that is not pinned anywhere streams through a small number of slots on the compute tier.
 
+Row kinds (the embedding) are the exception: a forward reads one row per token of them, so holding the whole
+table is worth it only where the tier then holds everything else not pinned above it too; otherwise they get no
+slot at all and the store reads the rows a forward needs (TieredStore.rows). The bytes go to cache slots: a
+Qwen3-30B-A3B embedding (594 MiB) is ~60 more experts on a 12 GB card; on the bench model at 25% it is 11 more
+expert slots, 13% fewer misses per token (docs/PERF.md).
+
 The staging invariant (accelerate's): each tier keeps room for the largest unit of the tier below. The compute
 tier's minimum working set (MIN_STREAM_SLOTS of every kind it does not pin) holds it for units coming from the
 host or the disk. When reads pass through the host on their way to the compute tier (CUDA without GPUDirect
@@ -26,7 +32,8 @@ from ..errors import BudgetError
 from ..units import format_bytes
 
 ALWAYS_NEEDED = ("dense", "head", "embed", "mtp")  # pinned first, in this order, when a whole kind fits
-MIN_STREAM_SLOTS = {"dense": 2, "expert": 2, "head": 1, "embed": 1, "mtp": 1}  # two allow a read during compute
+MIN_STREAM_SLOTS = {"dense": 2, "expert": 2, "head": 1, "mtp": 1}  # two allow a read during compute
+ROW_KINDS = ("embed",)  # read by rows where not pinned (no slots); pinned only on a tier that holds all the rest
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,10 @@ class Placement:
                 return t.name
         return "disk"
 
+    def by_rows(self, kind: str) -> bool:
+        """Whether the store reads this kind's rows from the checkpoint on demand (a row kind pinned nowhere)."""
+        return kind in ROW_KINDS and self.home(kind) == "disk"
+
     @property
     def streams(self) -> bool:
         """Whether some kind of unit is read from the checkpoint while decoding (not pinned in any tier)."""
@@ -97,7 +108,7 @@ class Placement:
             if t.budget is not None and t.used(self.sizes) > t.budget:
                 raise BudgetError(t.name, t.used(self.sizes), t.budget, self.breakdown(t))
         for kind, size in self.sizes.items():
-            if self.home(kind) == "disk" and self.compute.slots.get(kind, 0) < 1:
+            if self.home(kind) == "disk" and not self.by_rows(kind) and self.compute.slots.get(kind, 0) < 1:
                 raise BudgetError(self.compute.name, size.slot_bytes, 0, {f"{kind} slot": size.slot_bytes})
             for t in self.tiers:
                 if t.slots.get(kind, 0) < t.staging_slots.get(kind, 0):
@@ -127,7 +138,7 @@ class Placement:
                 lines.append(f"  kv cache        {format_bytes(t.kv_bytes):>11}")
             if t.staging_bytes:
                 lines.append(f"  staging         {format_bytes(t.staging_bytes):>11}")
-        streamed = [k for k in self.sizes if self.home(k) == "disk"]
+        streamed = [k + (" (rows)" if self.by_rows(k) else "") for k in self.sizes if self.home(k) == "disk"]
         lines.append(f"disk: {', '.join(streamed) if streamed else 'nothing streamed'}")
         return "\n".join(lines)
 
@@ -145,8 +156,9 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
     else:
         compute.staging_bytes = staging_bytes
     placement = Placement(sizes, tiers)
-    # The minimum working set: stream slots for every kind on the compute tier.
-    minimum = {k: MIN_STREAM_SLOTS[k] if s.count > 1 else 1 for k, s in sizes.items() if s.count}
+    # The minimum working set: stream slots for every kind on the compute tier (row kinds need none).
+    minimum = {k: MIN_STREAM_SLOTS[k] if s.count > 1 else 1 for k, s in sizes.items()
+               if s.count and k not in ROW_KINDS}
     compute.slots = dict(minimum)
     need = compute.used(sizes)
     if compute.budget is not None and need > compute.budget:
@@ -154,7 +166,10 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
                           hint="the minimum working set: streaming slots for each unit kind, the KV cache, staging")
     if separate_host and host_staging > 0:
         host = tiers[1]
-        host.staging_slots = {k: min(host_staging, s.count) for k, s in sizes.items() if s.count}
+        # row kinds load through the host only when the compute tier will hold them (and so everything)
+        whole = _holds_all(compute, sizes, placement, None if compute.budget is None else compute.budget - need)
+        host.staging_slots = {k: min(host_staging, s.count) for k, s in sizes.items()
+                              if s.count and (whole or k not in ROW_KINDS)}
         host.slots = dict(host.staging_slots)
         need = host.used(sizes)
         if host.budget is not None and need > host.budget:
@@ -170,6 +185,12 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
                 continue
             have = tier.slots.get(kind, 0)
             extra = size.count - have
+            if kind in ROW_KINDS:
+                if _holds_all(tier, sizes, placement, free):
+                    tier.slots[kind] = size.count
+                    tier.pinned.append(kind)
+                    free = None if free is None else free - extra * size.slot_bytes
+                continue
             if free is None or extra * size.slot_bytes <= free:
                 tier.slots[kind] = size.count
                 tier.pinned.append(kind)
@@ -182,3 +203,13 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
                     free -= n * size.slot_bytes
     placement.validate()
     return placement
+
+
+def _holds_all(tier: TierPlan, sizes: dict[str, KindSize], placement: Placement, free: int | None) -> bool:
+    """Whether `free` bytes of `tier` (None: unlimited) hold every unit pinned on no tier yet, beyond the slots
+    the tier has already."""
+    if free is None:
+        return True
+    rest = sum((s.count - tier.slots.get(k, 0)) * s.slot_bytes for k, s in sizes.items()
+               if s.count and placement.home(k) == "disk")
+    return rest <= free

@@ -491,6 +491,9 @@ def step_flows(shape: ModelShape, placement: Placement, units: Mapping[UnitKey, 
         if kind in placement.sizes:
             b, p = shape.mean_unit(kind, units)
             row = b * tokens / s.vocab_size if kind == "embed" else None  # a lookup reads one row per token
+            if placement.by_rows(kind):  # read by rows from the checkpoint (store.rows): those bytes, every step
+                flows.append(costs.Flow(kind, uses, row, 0.0, tokens, 0.0, 0.0, compute_bytes=row))
+                continue
             flows.append(costs.Flow(kind, uses, b, p if kind != "embed" else 0.0, tokens, *hits[kind],
                                     compute_bytes=row))
     moe = shape.moe_layers

@@ -147,7 +147,10 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
                 where.append(f"{label} cache {t['slots']} slots ({t['pct']:.1f}%"
                              + (f", {t['staging']} of them staging" if t["staging"] else "")
                              + f") = {_b(t['bytes'])}")
-        if info["home"] == "disk":
+        if p.placement.by_rows(kind):
+            where.append(f"no slot: the rows a step looks up are read from disk "
+                         f"({_b(info['slot_bytes'] / max(s.vocab_size, 1))} per token)")
+        elif info["home"] == "disk":
             where.append("rest streamed from disk")
         lines.append(f"  {kind:<7} {info['units']:>6} x {_b(info['slot_bytes']):>10}  " + "; ".join(where))
     for t in p.placement.tiers:

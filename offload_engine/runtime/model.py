@@ -9,7 +9,7 @@ from ..errors import BudgetError, out_of_memory_as_error
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .moe import combine, expert_part, routed_experts
-from .weights import Weights, WeightSource, hold
+from .weights import Weights, WeightSource, hold, lookup
 
 
 class CausalLM:
@@ -59,8 +59,7 @@ class CausalLM:
         if mask is None:
             mask = causal_mask(positions, cache.length + T)
         ops = self.ops
-        with self._unit(UnitKey(-1, "embed")) as w:
-            x = ops.embed(w, tokens)
+        x = lookup(self.source, UnitKey(-1, "embed"), tokens, ops.embed)
         prefetcher = self.prefetcher
         for layer in range(self.num_layers):
             with self._unit(UnitKey(layer, "dense")) as w:
@@ -81,7 +80,7 @@ class CausalLM:
 
     def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
         indices, weights = self.ops.route(layer, w, h)
-        experts = routed_experts(indices)
+        experts = routed_experts(indices, weights)
         if self.routing_trace is not None:
             self.routing_trace.append((layer, indices.tolist()))
         if self.prefetcher is not None:

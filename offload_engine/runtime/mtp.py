@@ -48,7 +48,7 @@ from ..errors import CheckpointFormatError
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .moe import combine, expert_part, routed_experts
-from .weights import hold
+from .weights import hold, lookup
 
 
 def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
@@ -141,8 +141,7 @@ class MtpHead:
         tokens, positions = tokens.to(device), positions.to(device)
         T = tokens.shape[0]
         mask = causal_mask(torch.arange(cache.length, cache.length + T, device=device), cache.length + T)
-        with self._unit(UnitKey(-1, "embed")) as w:
-            embedded = ops.embed(w, tokens)
+        embedded = lookup(model.source, UnitKey(-1, "embed"), tokens, ops.embed)
         with self._unit(UnitKey(layer, "mtp")) as w:
             x = ops.mtp_input(w, embedded, hidden.to(embedded.dtype))
             x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
@@ -159,7 +158,7 @@ class MtpHead:
             return self.ops.dense_mlp(layer, w, h)
         indices, weights = self.ops.route(layer, w, h)
         parts = {}
-        keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices)]
+        keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices, weights)]
         for key, ew in self.model.source.acquire(keys):
             try:
                 parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)

@@ -1,12 +1,13 @@
 """The seam between the runtime and whatever holds the weights (DESIGN: the runtime *asks* for weights).
 
 `acquire` yields units resident first and the others as they become available; the caller computes on each as
-it arrives and calls `release` when done, after which the source may evict them.
+it arrives and calls `release` when done, after which the source may evict them. A source may also offer
+`rows(key, ids)`: the rows a lookup needs of a table it does not hold whole (the embedding; see `lookup`).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -37,3 +38,15 @@ def hold(source: WeightSource, key: UnitKey) -> Iterator[Weights]:
         finally:
             if got:
                 source.release([key])
+
+
+def lookup(source: WeightSource, key: UnitKey, ids: torch.Tensor,
+           fn: Callable[[Weights, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn(weights, ids) for a table lookup (the embedding): on just the rows `ids` use where the source reads
+    them on demand (TieredStore.rows, with `ids` renumbered into them), else on the whole unit."""
+    rows = getattr(source, "rows", None)
+    got = rows(key, ids) if rows is not None else None
+    if got is not None:
+        return fn(*got)
+    with hold(source, key) as w:
+        return fn(w, ids)

@@ -109,6 +109,7 @@ class ReaderPool:
         self._seq = itertools.count()
         self._local = threading.local()
         self._bounce_bytes = bounce_bytes
+        self.threads = threads
         self.current: dict[int, tuple[str, float]] = {}  # thread id -> (what it is reading, since when)
         self.unjoined: list[str] = []  # after close(): threads still stuck in a read, and what they read
         # Workers hold the queue, the stop event and `current`, never the pool: a pool dropped without close()

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..checkpoint.index import DTYPES
 from ..checkpoint.layout import ReadRange, UnitLayout
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
@@ -35,8 +36,9 @@ from .disk import (BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range
                    read_unit_direct)
 from .gds import GdsReader
 from .ledger import Ledger
-from .policy import Usage, choose_victim, layer_to_evict
+from .policy import Usage, aged_count, choose_victim, layer_to_evict
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
+from .rows import plan_rows, row_tensor, split
 from .tier import Slot, Tier
 
 PREFETCH_SLOTS = 8  # default quota of prefetched, unused units per kind (_reserve; PrefetchConfig.slots)
@@ -91,6 +93,9 @@ class TieredStore:
             self.tiers.append(tier)
         self.compute = self.tiers[0]
         self.host = self.tiers[1] if len(self.tiers) > 1 else None
+        for key, layout in checkpoint.layouts.items():
+            if placement.by_rows(key.kind):
+                row_tensor(layout)  # a table, or a ConfigError now rather than at the first lookup
         self.pool = None
         try:
             for plan, tier in zip(placement.tiers, self.tiers):
@@ -326,10 +331,9 @@ class TieredStore:
                 tier.free.setdefault(slot.kind, []).append(slot)
             slot.key, slot.refs, slot.loading, slot.prefetched, slot.stale = None, 0, None, False, False
 
-    def _touch(self, slot: Slot) -> None:
-        self._tick += 1
-        slot.score = slot.score * 0.5 ** ((self._tick - slot.last_use) / 64.0) + 1.0
-        slot.last_use = self._tick
+    def _touch(self, slot: Slot, tick: int) -> None:
+        slot.score = aged_count(slot.score, slot.last_use, tick) + 1.0
+        slot.last_use = tick
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
         cached = slot.views
@@ -343,11 +347,15 @@ class TieredStore:
 
     # ---- public API -------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:
-        """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done."""
+        """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done.
+        Recency follows the order of `keys` (the last one is the most recently used), not the order the units
+        land in: the caller knows which units its sequence used last (runtime.moe.routed_experts)."""
         keys = list(dict.fromkeys(keys))
         ready: list[tuple[UnitKey, Slot]] = []
         waiting: list[UnitKey] = []
         with self._lock:
+            stamp = {key: self._tick + 1 + i for i, key in enumerate(keys)}
+            self._tick += len(keys)
             for key in keys:
                 slot = self.compute.resident.get(key)
                 if slot is not None:
@@ -355,7 +363,7 @@ class TieredStore:
                     slot = self.compute.resident.get(key)
                 if slot is not None and slot.loading is None:
                     slot.refs += 1
-                    self._touch(slot)
+                    self._touch(slot, stamp[key])
                     self.stats.hits[self.compute.name] += 1
                     if slot.prefetched:
                         slot.prefetched = slot.stale = False
@@ -390,7 +398,7 @@ class TieredStore:
                     with self._lock:
                         if slot.loading is fut:
                             slot.loading = None
-                        self._touch(slot)
+                        self._touch(slot, stamp[key])
                     yield key, self._views(slot, key)
         finally:
             # the caller stopped early or a read failed: give back what it never received, and do not start
@@ -527,6 +535,54 @@ class TieredStore:
                     slot.stale = True
                     self.compute.stale.setdefault(key.kind, {})[slot.index] = slot
         return cancelled
+
+    # ---- row kinds (rows.py) --------------------------------------------------------------------------------
+    def rows(self, key: UnitKey, ids: torch.Tensor) -> tuple[Weights, torch.Tensor] | None:
+        """The rows `ids` look up in a row kind's unit that the compute tier does not hold whole: ({name:
+        [distinct ids, width]} on the compute device, `ids` renumbered into them). Gathered from the host tier's
+        copy where that tier pins the unit, else read from the checkpoint by the reader pool. None when the
+        compute tier holds the unit (or streams it through slots): acquire it instead."""
+        layout = self.checkpoint.layouts[key]
+        host_copy = self.host is not None and key.kind in self.host.pinned_kinds
+        if key.kind in self.compute.pinned_kinds or not (host_copy or self.placement.by_rows(key.kind)):
+            return None
+        req = plan_rows(layout, ids)
+        dtype = DTYPES[req.tensor.dtype][1]
+        if host_copy:
+            slot = self.host.resident[key]
+            table = layout.views(slot.blob[slot.offset:])[req.tensor.local][torch.tensor(req.rows)]
+        else:
+            with torch.inference_mode(False):  # reader threads write into it, outside inference mode
+                blob = torch.empty(req.nbytes, dtype=torch.uint8)
+            self._read_row_ranges(key, req.ranges, blob)
+            table = blob.view(dtype).view(len(req.rows), req.tensor.shape[1])
+        if table.is_floating_point() and table.dtype != self.dtype:
+            table = table.to(self.dtype)
+        return {req.tensor.local: table.to(self.compute.device)}, req.local_ids.to(ids.device)
+
+    def _read_row_ranges(self, key: UnitKey, ranges: list[ReadRange], blob: torch.Tensor) -> None:
+        """Read `ranges` into `blob` on the reader pool (split across its threads), waiting like a demand miss:
+        an IOFault names the shard and offset, an IOStallError fires after stall_timeout without progress."""
+        inflight = {self.pool.submit(DEMAND, partial(self._read_ranges, group, blob), f"{key} rows"): key
+                    for group in split(ranges, self.pool.threads)}
+        try:
+            while inflight:
+                for fut in self._wait_any(inflight):
+                    del inflight[fut]
+                    if fut.cancelled():
+                        raise EngineClosedError(f"the weight store was closed while {key}'s rows were queued")
+                    if fut.exception() is not None:
+                        raise fut.exception()
+        finally:
+            for fut in inflight:  # a failed request starts no more reads; running ones fill a buffer now unused
+                fut.cancel()
+
+    def _read_ranges(self, ranges: list[ReadRange], blob: torch.Tensor) -> None:
+        for r in ranges:
+            with reading(r.file, r.file_offset, r.nbytes):
+                self._read_range(r, blob)
+        with self._lock:
+            self.stats.bytes_read_disk += sum(r.nbytes for r in ranges)
 
     def peek(self, key: UnitKey) -> Weights | None:
         """The unit's weights if resident in the compute tier, else None; never reads. Only for use on the
