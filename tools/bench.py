@@ -4,6 +4,8 @@
 For each budget (a % of the checkpoint's bytes) both systems decode the same greedy tokens after the same
 prompt; the table gives decode tok/s, bytes read per token, hit rate, stall time and the engine's time per
 token against a physical bound, max(resident compute time, bytes read and used / measured O_DIRECT bandwidth).
+The resident compute time is measured right before each budget's engine runs, not once: this VM's CPU speed
+drifts by up to ~15% over minutes (user CPU per token of the same work), as much as the bound's margin.
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
@@ -98,6 +100,7 @@ class Row:
     budget_pct: float
     engine: EngineRun
     peers: dict[str, PeerRun]
+    resident_s_per_token: float  # measured right before this budget's engine runs
     bound_s_per_token: float
     engine_vs_bound: float
     tokens_match: dict[str, bool]
@@ -346,7 +349,7 @@ def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], compute_s
              disk_bw: float) -> Row:
     bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
     match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
-    return Row(pct, engine, peers, bound, engine.s_per_token / bound, match)
+    return Row(pct, engine, peers, compute_s, bound, engine.s_per_token / bound, match)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -390,7 +393,8 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
             f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
             f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.engine_vs_bound:>6.2f} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
-    lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s); "
+    lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
+                 f"before each budget {'/'.join(f'{r.resident_s_per_token * 1e3:.1f}' for r in rows)}; "
                  f"O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
     return "\n".join(lines)
 
@@ -535,15 +539,17 @@ def main(argv: list[str] | None = None) -> int:
                           args.prefetch[0], args.context)
     rows_raw, by_mode = [], {}
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
+        compute = resident if not rows_raw else run_engine(model, None, prompt, warm, args.tokens, args.progress,
+                                                            args.wait_quiet, args.prefetch[0], args.context)
         by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                                          mode, args.context) for mode in args.prefetch}
         engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
-        rows_raw.append((pct, engine, peers))
+        rows_raw.append((pct, engine, peers, compute.s_per_token))
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
     disk_bw = max(statistics.median(d["bytes_per_s"] for d in disk if d["threads"] == t) for t in (1, 4))
-    rows = [make_row(pct, e, p, resident.s_per_token, disk_bw) for pct, e, p in rows_raw]
+    rows = [make_row(pct, e, p, compute_s, disk_bw) for pct, e, p, compute_s in rows_raw]
 
     print(table(rows, resident, disk_bw))
     if len(args.prefetch) > 1:
