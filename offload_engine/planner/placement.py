@@ -91,8 +91,9 @@ class Placement:
 
     @property
     def streams(self) -> bool:
-        """Whether some kind of unit is read from the checkpoint while decoding (not pinned in any tier)."""
-        return any(self.home(kind) == "disk" for kind in self.sizes)
+        """Whether some kind of unit is read whole from the checkpoint while decoding (pinned in no tier); a row
+        kind read by rows (one small read per step) does not count: there is nothing to read ahead."""
+        return any(self.home(kind) == "disk" and not self.by_rows(kind) for kind in self.sizes)
 
     def to_json(self) -> str:
         return json.dumps({"sizes": {k: asdict(v) for k, v in self.sizes.items()},
