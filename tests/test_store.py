@@ -190,6 +190,12 @@ def test_recency_follows_the_sequence_not_the_landing_order(checkpoint_factory):
     indices = torch.tensor([[3, 1], [2, 3], [5, 4]])
     weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
     assert routed_experts(indices, weights) == [1, 3, 2, 5, 4]
+    gen = torch.Generator().manual_seed(0)
+    for T, E, k in ((1, 16, 4), (7, 8, 8), (40, 64, 8), (300, 32, 2)):  # the vectorized prefill path too
+        idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        w = torch.softmax(torch.randn(T, k, generator=gen), -1)
+        last = {e: (p, x) for p, (row, rw) in enumerate(zip(idx.tolist(), w.tolist())) for e, x in zip(row, rw)}
+        assert routed_experts(idx, w) == sorted(last, key=last.__getitem__), (T, E, k)
     path = checkpoint_factory("qwen3_moe", "offload")
     with Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, prefetch=False) as engine:
         engine.generate(PROMPT, max_new_tokens=2, ignore_eos=True)

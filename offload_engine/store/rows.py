@@ -22,12 +22,8 @@ class RowRequest:
     ranges: list[ReadRange]  # runs of adjacent rows; blob offsets into a buffer of len(rows) rows
 
     @property
-    def row_bytes(self) -> int:
-        return self.tensor.nbytes // self.tensor.shape[0]
-
-    @property
     def nbytes(self) -> int:
-        return len(self.rows) * self.row_bytes
+        return sum(r.nbytes for r in self.ranges)
 
 
 def row_tensor(layout: UnitLayout) -> TensorSlice:
