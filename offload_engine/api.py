@@ -222,13 +222,16 @@ class Engine:
                                    store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
             events = drive(stepper, ids, GenerationState(params, self.tokenizer))
+            decoding = None  # the store's counters when the prefill's token came out
             while True:
                 with out_of_memory_as_error("request"):  # the MTP / draft forwards too: this request fails only
                     event = next(events, None)
                 if event is None:
                     break
                 if isinstance(event, FinishEvent):
-                    event.stats = {**self.stats(event, before), **_spec_summary(mode, spec_stats, event)}
+                    event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event)}
+                elif decoding is None:
+                    decoding = self.store.stats.snapshot()
                 yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
@@ -249,10 +252,14 @@ class Engine:
         with self._request(), out_of_memory_as_error("logits"):
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
-    def stats(self, finish: FinishEvent, before: dict | None = None) -> dict[str, Any]:
-        """Per-request figures (store counters as deltas from `before`, a store snapshot taken at its start)."""
+    def stats(self, finish: FinishEvent, before: dict | None = None, decoding: dict | None = None
+              ) -> dict[str, Any]:
+        """Per-request figures (store counters as deltas from `before`, a store snapshot taken at its start;
+        `decoding`: one taken when the prefill's token came out, for the decode steps' own stall)."""
         n = len(finish.token_ids)
-        store = _delta(self.store.stats.snapshot(), before or {})
+        now = self.store.stats.snapshot()
+        store = _delta(now, before or {})
+        decode_wait = now["io_wait_s"] - decoding["io_wait_s"] if decoding else store["io_wait_s"]
         ledger = self.store.ledger
         return {
             "prompt_tokens": finish.prefill_tokens,
@@ -263,7 +270,7 @@ class Engine:
             "decode_tok_s": finish.decode_tokens_per_s,
             **store,
             "bytes_read_disk_per_token": store["bytes_read_disk"] / max(n, 1),
-            "stall_s_per_token": store["io_wait_s"] / max(n, 1),  # the request's waits (prefill's too) per token
+            "stall_s_per_token": decode_wait / max(n - 1, 1),  # per decode step, the prefill's waits excluded
             # share of the readers' busy time the compute thread did not wait through (I/O hidden by compute)
             "io_overlap": (max(0.0, 1.0 - store["io_wait_s"] / store["read_busy_s"])
                            if store["read_busy_s"] > 0 else 1.0),

@@ -123,6 +123,9 @@ def test_throttled_reads_give_identical_tokens(checkpoint_factory):
     _, ref = run(path)
     _, slow = run(path, budget=Budget(ram="25%"), direct_io="off", read_fn=Faulty(sleep=0.002))
     assert slow.token_ids == ref.token_ids
+    stats, steps = slow.stats, len(slow.token_ids) - 1
+    # stall_s_per_token counts the decode steps' waits only: the prefill (which misses most) waited too
+    assert 0 < stats["stall_s_per_token"] * steps < stats["io_wait_s"]
 
 
 def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
