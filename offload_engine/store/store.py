@@ -547,7 +547,6 @@ class TieredStore:
         if key.kind in self.compute.pinned_kinds or not (host_copy or self.placement.by_rows(key.kind)):
             return None
         req = plan_rows(layout, ids)
-        dtype = DTYPES[req.tensor.dtype][1]
         if host_copy:
             slot = self.host.resident[key]
             table = layout.views(slot.blob[slot.offset:])[req.tensor.local][torch.tensor(req.rows)]
@@ -555,7 +554,7 @@ class TieredStore:
             with torch.inference_mode(False):  # reader threads write into it, outside inference mode
                 blob = torch.empty(req.nbytes, dtype=torch.uint8)
             self._read_row_ranges(key, req.ranges, blob)
-            table = blob.view(dtype).view(len(req.rows), req.tensor.shape[1])
+            table = blob.view(DTYPES[req.tensor.dtype][1]).view(len(req.rows), req.tensor.shape[1])
         if table.is_floating_point() and table.dtype != self.dtype:
             table = table.to(self.dtype)
         return {req.tensor.local: table.to(self.compute.device)}, req.local_ids.to(ids.device)
