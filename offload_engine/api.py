@@ -259,7 +259,7 @@ class Engine:
         n = len(finish.token_ids)
         now = self.store.stats.snapshot()
         store = _delta(now, before or {})
-        decode_wait = now["io_wait_s"] - decoding["io_wait_s"] if decoding else store["io_wait_s"]
+        decode_wait = _delta(now, decoding)["io_wait_s"] if decoding else store["io_wait_s"]
         ledger = self.store.ledger
         return {
             "prompt_tokens": finish.prefill_tokens,

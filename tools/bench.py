@@ -535,12 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else 3
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
-    resident = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                          args.prefetch[0], args.context)
-    rows_raw, by_mode = [], {}
+    rows_raw, by_mode, resident = [], {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
-        compute = resident if not rows_raw else run_engine(model, None, prompt, warm, args.tokens, args.progress,
-                                                            args.wait_quiet, args.prefetch[0], args.context)
+        compute = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                             args.prefetch[0], args.context)
+        resident = resident or compute  # the first: the table's and the plot's reference
         by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                                          mode, args.context) for mode in args.prefetch}
         engine = by_mode[pct][args.prefetch[0]]

@@ -109,7 +109,6 @@ class ReaderPool:
         self._seq = itertools.count()
         self._local = threading.local()
         self._bounce_bytes = bounce_bytes
-        self.threads = threads
         self.current: dict[int, tuple[str, float]] = {}  # thread id -> (what it is reading, since when)
         self.unjoined: list[str] = []  # after close(): threads still stuck in a read, and what they read
         # Workers hold the queue, the stop event and `current`, never the pool: a pool dropped without close()
@@ -124,6 +123,10 @@ class ReaderPool:
         except BaseException:  # e.g. Ctrl-C while a thread starts: the pool is never returned, so stop it here
             self.close()
             raise
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
     def submit(self, priority: int, fn: Callable[[], object], what: str) -> Future:
         fut: Future = Future()

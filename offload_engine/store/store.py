@@ -145,11 +145,7 @@ class TieredStore:
         slot.offset = self._read_unit_direct(layout, slot.blob) if self.direct_io else None
         if slot.offset is None:
             slot.offset = 0
-            for r in layout.read_ranges():
-                # the range is recorded around the whole read function too, so a read_fn that blocks before it
-                # reaches the disk is still reported by file and offset (the disk readers record finer ranges)
-                with reading(r.file, r.file_offset, r.nbytes):
-                    self._read_range(r, slot.blob)
+            self._read_ranges(layout.read_ranges(), slot.blob)
         with self._lock:
             self.stats.bytes_read_disk += layout.nbytes
 
@@ -158,6 +154,13 @@ class TieredStore:
         r = layout.single_range
         fd = self._direct_fd(r.file) if r is not None else None
         return None if fd is None else read_unit_direct(fd, layout, blob, self.files)
+
+    def _read_ranges(self, ranges: Iterable[ReadRange], blob: torch.Tensor) -> None:
+        for r in ranges:
+            # the range is recorded around the whole read function too, so a read_fn that blocks before it
+            # reaches the disk is still reported by file and offset (the disk readers record finer ranges)
+            with reading(r.file, r.file_offset, r.nbytes):
+                self._read_range(r, blob)
 
     def _read_range(self, r: ReadRange, blob: torch.Tensor) -> None:
         if self.direct_io:
@@ -575,11 +578,6 @@ class TieredStore:
         finally:
             for fut in inflight:  # a failed request starts no more reads; running ones fill a buffer now unused
                 fut.cancel()
-
-    def _read_ranges(self, ranges: list[ReadRange], blob: torch.Tensor) -> None:
-        for r in ranges:
-            with reading(r.file, r.file_offset, r.nbytes):
-                self._read_range(r, blob)
         with self._lock:
             self.stats.bytes_read_disk += sum(r.nbytes for r in ranges)
 
