@@ -43,13 +43,17 @@ class KindSize:
     slot_bytes: int  # largest unit of this kind
 
 
+SLOT_ALIGN = 64  # slot sizes are multiples of this: slots sliced from one region keep typed views aligned
+
+
 def kind_sizes(units: Mapping[UnitKey, int], slack: int = 0) -> dict[str, KindSize]:
-    """Per kind, the unit count and every slot's size: the largest unit plus `slack` (direct I/O's page slack)."""
+    """Per kind, the unit count and every slot's size: the largest unit plus `slack` (direct I/O's page slack),
+    rounded up to SLOT_ALIGN."""
     sizes: dict[str, KindSize] = {}
     for key, n in units.items():
         cur = sizes.get(key.kind)
         sizes[key.kind] = KindSize(key.kind, (cur.count if cur else 0) + 1,
-                                   max(cur.slot_bytes if cur else 0, n + slack))
+                                   max(cur.slot_bytes if cur else 0, -(-(n + slack) // SLOT_ALIGN) * SLOT_ALIGN))
     return sizes
 
 

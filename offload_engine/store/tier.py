@@ -8,6 +8,7 @@ import torch
 
 from ..checkpoint.naming import UnitKey
 from ..errors import out_of_memory_as_error
+from .hostmem import host_buffer
 from .ledger import Ledger
 
 
@@ -47,17 +48,30 @@ class Tier:
     stale: dict[str, dict[int, Slot]] = field(default_factory=dict)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
+        """`count` slots of `slot_bytes`, charged before they are allocated. Plain CPU memory: one huge-page
+        region for the pool (store.hostmem), sliced into slots (slot_bytes is a multiple of 64, so typed views
+        stay aligned); pinned or device memory: one torch allocation per slot."""
         pool = self.pools.setdefault(kind, [])
-        for _ in range(count):
-            ledger.charge(self.name, slot_bytes, f"{kind} slots")
-            try:
-                with out_of_memory_as_error(f"{self.name} tier ({self.device}): {kind} slot of {slot_bytes} bytes"):
-                    blob = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
-            except BaseException:  # the allocator refused (memory used outside the budget): the charge is void
-                ledger.credit(self.name, slot_bytes, f"{kind} slots")
-                raise
-            pool.append(Slot(self.name, kind, len(pool), blob))
+        if self.device.type == "cpu" and not pin_memory:
+            nbytes = count * slot_bytes
+            blobs = self._charged(ledger, kind, nbytes, f"{count} {kind} slots of {slot_bytes} bytes",
+                                  lambda: host_buffer(nbytes).split(slot_bytes)) if count else ()
+        else:
+            blobs = [self._charged(ledger, kind, slot_bytes, f"{kind} slot of {slot_bytes} bytes",
+                                   lambda: torch.empty(slot_bytes, dtype=torch.uint8, device=self.device,
+                                                       pin_memory=pin_memory))
+                     for _ in range(count)]
+        pool.extend([Slot(self.name, kind, index, blob) for index, blob in enumerate(blobs, start=len(pool))])
         self.free[kind] = [s for s in reversed(pool) if s.key is None]  # taken from the end: lowest index first
+
+    def _charged(self, ledger: Ledger, kind: str, nbytes: int, what: str, allocate):
+        ledger.charge(self.name, nbytes, f"{kind} slots")
+        try:
+            with out_of_memory_as_error(f"{self.name} tier ({self.device}): {what}"):
+                return allocate()
+        except BaseException:  # the allocator refused (memory used outside the budget): the charge is void
+            ledger.credit(self.name, nbytes, f"{kind} slots")
+            raise
 
     def place(self, slot: Slot, key: UnitKey) -> None:
         """`slot` now holds `key` (an empty slot, or one whose unit was `unplace`d)."""

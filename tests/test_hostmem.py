@@ -1,0 +1,55 @@
+"""store.hostmem: the huge-page host regions CPU slot pools and resident weights live in."""
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+
+import pytest
+import torch
+
+from offload_engine.store import hostmem
+from offload_engine.store.hostmem import HUGE_PAGE, host_buffer
+
+
+def test_region_is_aligned_writable_and_outlives_its_mapping_object():
+    n = 3 * HUGE_PAGE + 12345
+    buf = host_buffer(n)
+    assert buf.dtype == torch.uint8 and buf.numel() == n and buf.device.type == "cpu"
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert buf.data_ptr() % HUGE_PAGE == 0
+    tail = buf[-4096:]
+    del buf
+    gc.collect()
+    tail.fill_(7)  # the mapping lives as long as any view of it
+    assert int(tail.sum()) == 7 * 4096
+
+
+def test_small_buffers_come_from_torch():
+    assert host_buffer(4096).numel() == 4096
+
+
+def test_no_memory_is_an_out_of_memory_error(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    monkeypatch.setattr(hostmem.mmap, "mmap", refuse)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE on this OS: host_buffer is torch.empty")
+    with pytest.raises(torch.OutOfMemoryError, match=str(HUGE_PAGE * 4)):
+        host_buffer(HUGE_PAGE * 4)
+
+
+def test_each_cpu_slot_pool_is_one_region(checkpoint_factory):
+    """A CPU tier's pool of a kind is one region sliced into slots, whether it caches (a budget) or pins
+    every unit (none)."""
+    from offload_engine import Budget, Engine
+
+    path = checkpoint_factory("qwen3_moe", "offload")
+    for budget in (Budget(ram="25%"), None):
+        with Engine.open(path, budget=budget, max_context=64, direct_io="off") as engine:
+            for pool in engine.store.compute.pools.values():
+                size = pool[0].blob.numel()
+                assert size % 64 == 0
+                base = pool[0].blob.data_ptr()
+                assert [s.blob.data_ptr() - base for s in pool] == [i * size for i in range(len(pool))]
+                assert len({s.blob.untyped_storage().data_ptr() for s in pool}) == 1
