@@ -66,7 +66,9 @@ def test_toy_cuda_host_staging_exact():
     kinds pinned on the device keep theirs (their units load through the host too)."""
     p = plan_placement(TOY, compute_budget=400, host_budget=500, kv_bytes=20, staging_bytes=8, host_staging=4)
     device, host = p.tiers
-    assert device.slots == {"head": 1, "dense": 4, "expert": 8} and device.used(TOY) == 400
+    # the embedding is read by rows: its row cache (1/64 of the budget, 6 B) takes the place of an expert slot
+    assert device.slots == {"head": 1, "dense": 4, "expert": 7} and device.row_cache_bytes == 6
+    assert device.used(TOY) == 396
     # staging: head 100 + dense 4 x 50 + expert 4 x 10 + 8 bounce = 348 (the device cannot hold everything, so
     # the embedding is read by rows and needs no staging slot); 152 left: 12 more expert slots pin all experts,
     # and the embedding (100) does not fit beside them
@@ -372,7 +374,8 @@ def test_what_ifs_find_a_doubling(qwen):
 def test_memory_table_adds_up(qwen):
     p = plan(qwen, CPU, PlanOptions(ram=20 << 30, context=1024))
     host = memory_table(p)["host"]
-    assert host["budget_charged"] == host["weights"] + host["staging"] + host["kv_cache"] <= 20 << 30
+    parts = host["weights"] + host["staging"] + host["kv_cache"] + host["row_cache"]
+    assert host["budget_charged"] == parts <= 20 << 30
     assert host["total"] == host["budget_charged"] + host["activations"] + host["reserve"]
 
 

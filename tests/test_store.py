@@ -234,10 +234,22 @@ def test_embedding_rows_are_read_on_demand_when_not_pinned(checkpoint_factory, d
         with safe_open(tensor.file, "pt") as f:
             table = f.get_tensor("model.embed_tokens.weight")
         row_bytes = tensor.nbytes // tensor.shape[0]
+        cache = store.row_caches[key]
         before = store.stats.bytes_read_disk
         w, ids = store.rows(key, torch.tensor([5, 3, 5, 4, 9]))
         assert store.stats.bytes_read_disk - before == 4 * row_bytes  # rows 3-5 and 9: two ranges, 4 rows
         assert ids.tolist() == [2, 0, 2, 1, 3] and torch.equal(w["weight"], table[[3, 4, 5, 9]])
+        # the row cache: rows looked up lately are not read again; a new one is (and evicts the oldest when full)
+        before = store.stats.bytes_read_disk
+        w, ids = store.rows(key, torch.tensor([9, 2, 4]))
+        assert store.stats.bytes_read_disk - before == row_bytes and torch.equal(w["weight"], table[[2, 4, 9]])
+        assert ids.tolist() == [2, 0, 1] and cache.capacity >= 5
+        many = torch.arange(10, 10 + cache.capacity)  # a prefill larger than what is left: keeps the last rows
+        w, _ = store.rows(key, many)
+        assert torch.equal(w["weight"], table[many]) and cache.misses == 5 + cache.capacity
+        before = store.stats.bytes_read_disk
+        w, _ = store.rows(key, torch.tensor([9, int(many[-1])]))
+        assert store.stats.bytes_read_disk - before == row_bytes and torch.equal(w["weight"], table[[9, int(many[-1])]])
         with pytest.raises(IndexError, match="outside"):
             store.rows(key, torch.tensor([tensor.shape[0]]))
         if direct_io == "off":
@@ -245,6 +257,9 @@ def test_embedding_rows_are_read_on_demand_when_not_pinned(checkpoint_factory, d
             with pytest.raises(IOFault) as err:
                 store.rows(key, torch.tensor([7]))
             assert str(tensor.file) in str(err.value) and str(tensor.file_offset + 7 * row_bytes) in str(err.value)
+            faulty.fail_at = None
+            w, _ = store.rows(key, torch.tensor([7]))  # the failed read cached nothing: read again, right
+            assert torch.equal(w["weight"], table[[7]])
     with Engine.open(path, budget=Budget(vram="20%", ram="100%"), max_context=CONTEXT) as engine:
         store = engine.store
         assert store.placement.home("embed") == "host" and "embed" not in store.compute.pools

@@ -34,6 +34,10 @@ from ..units import format_bytes
 ALWAYS_NEEDED = ("dense", "head", "embed", "mtp")  # pinned first, in this order, when a whole kind fits
 MIN_STREAM_SLOTS = {"dense": 2, "expert": 2, "head": 1, "mtp": 1}  # two allow a read during compute
 ROW_KINDS = ("embed",)  # read by rows where not pinned (no slots); pinned only on a tier that holds all the rest
+# A kind read by rows keeps the rows it looked up last in a cache on the compute tier (store.rows.RowCache): a
+# decode step looks up the token just sampled, and text repeats its tokens. This many bytes, at most 1/64 of the
+# tier's budget; taken from the expert cache when the tier is full (rows every step needs beat one more expert).
+ROW_CACHE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,13 @@ class TierPlan:
     kv_bytes: int = 0
     staging_bytes: int = 0  # O_DIRECT bounce buffers
     staging_slots: dict[str, int] = field(default_factory=dict)  # kind -> slots reserved for reads from below
+    row_cache_bytes: int = 0  # rows of a kind read by rows, cached (ROW_CACHE_BYTES)
 
     def slot_bytes(self, sizes: dict[str, KindSize]) -> int:
         return sum(n * sizes[k].slot_bytes for k, n in self.slots.items())
 
     def used(self, sizes: dict[str, KindSize]) -> int:
-        return self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes
+        return self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes + self.row_cache_bytes
 
 
 @dataclass
@@ -126,6 +131,8 @@ class Placement:
             out["kv cache"] = t.kv_bytes
         if t.staging_bytes:
             out["staging"] = t.staging_bytes
+        if t.row_cache_bytes:
+            out["row cache"] = t.row_cache_bytes
         return out
 
     def describe(self) -> str:
@@ -143,6 +150,8 @@ class Placement:
                 lines.append(f"  kv cache        {format_bytes(t.kv_bytes):>11}")
             if t.staging_bytes:
                 lines.append(f"  staging         {format_bytes(t.staging_bytes):>11}")
+            if t.row_cache_bytes:
+                lines.append(f"  row cache       {format_bytes(t.row_cache_bytes):>11}")
         streamed = [k + (" (rows)" if self.by_rows(k) else "") for k in self.sizes if self.home(k) == "disk"]
         lines.append(f"disk: {', '.join(streamed) if streamed else 'nothing streamed'}")
         return "\n".join(lines)
@@ -206,8 +215,26 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
                 if n + have > 0:
                     tier.slots[kind] = have + n
                     free -= n * size.slot_bytes
+    if any(placement.by_rows(k) for k, s in sizes.items() if s.count):
+        _reserve_row_cache(compute, sizes)
     placement.validate()
     return placement
+
+
+def _reserve_row_cache(tier: TierPlan, sizes: dict[str, KindSize]) -> None:
+    """ROW_CACHE_BYTES (at most 1/64 of the budget) for the row cache: from the tier's free bytes, else from its
+    expert cache, never below the minimum working set."""
+    if tier.budget is None:
+        tier.row_cache_bytes = ROW_CACHE_BYTES
+        return
+    want = min(ROW_CACHE_BYTES, tier.budget // 64)
+    free = tier.budget - tier.used(sizes)
+    expert = sizes.get("expert")
+    while (free < want and expert is not None and "expert" not in tier.pinned
+           and tier.slots.get("expert", 0) > MIN_STREAM_SLOTS["expert"]):
+        tier.slots["expert"] -= 1
+        free += expert.slot_bytes
+    tier.row_cache_bytes = max(0, min(want, free))
 
 
 def _holds_all(tier: TierPlan, sizes: dict[str, KindSize], placement: Placement, free: int | None) -> bool:

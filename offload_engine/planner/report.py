@@ -31,8 +31,8 @@ def placement_summary(p: Plan) -> dict[str, Any]:
 
 def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
     """Per tier, everything charged to it. The engine's ledger (what --vram / --ram budget): `weights` (slots,
-    `staging_slots` of them reserved for reads from the tier below), `staging` (O_DIRECT bounce buffers) and
-    `kv_cache`, summed in `budget_charged`. Outside the ledger, charged here: `activations` (activation_bytes)
+    `staging_slots` of them reserved for reads from the tier below), `staging` (O_DIRECT bounce buffers),
+    `kv_cache` and `row_cache` (rows of a kind read by rows), summed in `budget_charged`. Outside the ledger, charged here: `activations` (activation_bytes)
     and `reserve` (the CUDA context on the device, fixed; the OS and process on the host). `total` is all of it;
     `physical` the profile's memory (None for a CPU's compute pool: it shares the RAM, see plan_json's "fit")."""
     table = {}
@@ -43,7 +43,7 @@ def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
         physical = p.profile.vram_bytes if t.name == "device" else p.profile.ram_bytes
         table[t.name] = {"weights": t.slot_bytes(sizes),
                          "staging_slots": sum(n * sizes[k].slot_bytes for k, n in t.staging_slots.items()),
-                         "staging": t.staging_bytes, "kv_cache": t.kv_bytes,
+                         "staging": t.staging_bytes, "kv_cache": t.kv_bytes, "row_cache": t.row_cache_bytes,
                          "budget_charged": t.used(sizes), "budget": t.budget, "activations": act,
                          "reserve": reserve, "total": t.used(sizes) + act + reserve,
                          "physical": physical if (t.name == "host" or p.profile.has_gpu) else None}
@@ -148,8 +148,10 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
                              + (f", {t['staging']} of them staging" if t["staging"] else "")
                              + f") = {_b(t['bytes'])}")
         if p.placement.by_rows(kind):
+            cache = p.placement.compute.row_cache_bytes
             where.append(f"no slot: the rows a step looks up are read from disk "
-                         f"({_b(info['slot_bytes'] / max(s.vocab_size, 1))} per token)")
+                         f"({_b(info['slot_bytes'] / max(s.vocab_size, 1))} per token) unless among the "
+                         f"{cache * max(s.vocab_size, 1) // max(info['slot_bytes'], 1)} cached last")
         elif info["home"] == "disk":
             where.append("rest streamed from disk")
         lines.append(f"  {kind:<7} {info['units']:>6} x {_b(info['slot_bytes']):>10}  " + "; ".join(where))
@@ -161,7 +163,8 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     names = list(mem)
     lines += ["", "memory per tier".ljust(28) + "".join(f"{_tier_label(p, n):>14}" for n in names)]
     rows = (("weights", "weights"), ("  of which staging slots", "staging_slots"), ("staging (O_DIRECT)", "staging"),
-            (f"KV cache ({p.options.context} tok)", "kv_cache"), ("= engine ledger", "budget_charged"),
+            (f"KV cache ({p.options.context} tok)", "kv_cache"), ("row cache", "row_cache"),
+            ("= engine ledger", "budget_charged"),
             ("  within budget", "budget"), ("activations", "activations"),
             ("reserve: CUDA ctx | process" if p.profile.has_gpu else "reserve: process", "reserve"),
             ("= total charged", "total"), ("physical", "physical"))

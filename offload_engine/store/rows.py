@@ -2,10 +2,13 @@
 
 Where the placement pins a row kind nowhere (Placement.by_rows) it gets no slot; a forward's distinct token ids
 become byte ranges of the checkpoint (adjacent ids merged), read into a fresh buffer by the store's readers,
-and the lookup runs on those rows with the ids renumbered into them: the same gather, the same bits.
+and the lookup runs on those rows with the ids renumbered into them: the same gather, the same bits. The rows
+looked up last stay in a RowCache (charged to the compute tier by the placement: ROW_CACHE_BYTES), so a step
+whose token was seen lately reads nothing.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +67,45 @@ def split(ranges: list[ReadRange], parts: int) -> list[list[ReadRange]]:
         groups[-1].append(r)
         done += r.nbytes
     return groups
+
+
+class RowCache:
+    """The last `capacity` distinct rows of one table looked up (least recently used out), as raw bytes in one
+    [capacity, row_bytes] buffer on the compute device."""
+
+    def __init__(self, capacity: int, row_bytes: int, device: torch.device):
+        self.capacity, self.row_bytes = capacity, row_bytes
+        self.buffer = torch.empty(capacity, row_bytes, dtype=torch.uint8, device=device)
+        self._where: OrderedDict[int, int] = OrderedDict()  # row id -> buffer row, least recently used first
+        self.hits = self.misses = 0
+
+    def lookup(self, rows: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """(positions in `rows` cached, their buffer rows, positions to read), counting hits and misses."""
+        cached, slots, missing = [], [], []
+        for i, row in enumerate(rows):
+            slot = self._where.get(row)
+            if slot is None:
+                missing.append(i)
+            else:
+                self._where.move_to_end(row)
+                cached.append(i)
+                slots.append(slot)
+        self.hits += len(cached)
+        self.misses += len(missing)
+        return cached, slots, missing
+
+    def insert(self, rows: list[int], data: torch.Tensor) -> None:
+        """Keep `rows` (not cached; `data` [len(rows), row_bytes] uint8), evicting the least recently used: of a
+        lookup larger than the cache (a prefill), the last rows."""
+        keep = rows[-self.capacity:] if self.capacity else []
+        data = data[len(rows) - len(keep):]
+        slots = []
+        for row in keep:
+            if len(self._where) < self.capacity:
+                slot = len(self._where)
+            else:
+                _, slot = self._where.popitem(last=False)
+            self._where[row] = slot
+            slots.append(slot)
+        if slots:
+            self.buffer[torch.tensor(slots, device=self.buffer.device)] = data.to(self.buffer.device)

@@ -38,7 +38,7 @@ from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, aged_count, choose_victim, layer_to_evict
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
-from .rows import plan_rows, row_tensor, split
+from .rows import RowCache, plan_rows, row_tensor, split
 from .tier import Slot, Tier
 
 PREFETCH_SLOTS = 8  # default quota of prefetched, unused units per kind (_reserve; PrefetchConfig.slots)
@@ -97,6 +97,7 @@ class TieredStore:
             if placement.by_rows(key.kind):
                 row_tensor(layout)  # a table, or a ConfigError now rather than at the first lookup
         self.pool = None
+        self.row_caches: dict[UnitKey, RowCache] = {}
         try:
             for plan, tier in zip(placement.tiers, self.tiers):
                 if plan.staging_bytes:
@@ -106,11 +107,26 @@ class TieredStore:
                 for kind, n in plan.slots.items():
                     tier.allocate(kind, n, placement.sizes[kind].slot_bytes, ledger,
                                   pin_memory=cuda and tier.name == "host")
+            self.row_caches = self._row_caches(ledger)
             self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0, self.stats.read_busy)
             self._load_pinned(progress)
         except BaseException:
             finish_despite_interrupts(self.close)
             raise
+
+    def _row_caches(self, ledger: Ledger) -> dict[UnitKey, RowCache]:
+        """A RowCache per unit read by rows, sharing the compute tier's row cache bytes (charged here)."""
+        nbytes = self.placement.compute.row_cache_bytes
+        keys = [k for k in self.checkpoint.layouts if self.placement.by_rows(k.kind)]
+        if not nbytes or not keys:
+            return {}
+        ledger.charge(self.compute.name, nbytes, "row cache")
+        caches = {}
+        for key in keys:
+            table = row_tensor(self.checkpoint.layouts[key])
+            row_bytes = table.nbytes // table.shape[0]
+            caches[key] = RowCache(nbytes // len(keys) // row_bytes, row_bytes, self.compute.device)
+        return caches
 
     # ---- loading ----------------------------------------------------------------------------------------
     def _load_pinned(self, progress: bool) -> None:
@@ -554,13 +570,32 @@ class TieredStore:
             slot = self.host.resident[key]
             table = layout.views(slot.blob[slot.offset:])[req.tensor.local][torch.tensor(req.rows)]
         else:
-            with torch.inference_mode(False):  # reader threads write into it, outside inference mode
-                blob = torch.empty(req.nbytes, dtype=torch.uint8)
-            self._read_row_ranges(key, req.ranges, blob)
-            table = blob.view(DTYPES[req.tensor.dtype][1]).view(len(req.rows), req.tensor.shape[1])
+            raw = self._row_bytes(key, layout, req.rows)
+            table = raw.view(DTYPES[req.tensor.dtype][1]).view(len(req.rows), req.tensor.shape[1])
         if table.is_floating_point() and table.dtype != self.dtype:
             table = table.to(self.dtype)
         return {req.tensor.local: table.to(self.compute.device)}, req.local_ids.to(ids.device)
+
+    def _row_bytes(self, key: UnitKey, layout: UnitLayout, rows: list[int]) -> torch.Tensor:
+        """The bytes of `rows` (distinct ids, ascending) as [len(rows), row bytes]: those in the row cache from
+        there, the others read from the checkpoint (and cached)."""
+        cache = self.row_caches.get(key)
+        cached, slots, missing = cache.lookup(rows) if cache is not None else ([], [], list(range(len(rows))))
+        ids = [rows[i] for i in missing]
+        row_bytes = row_tensor(layout).nbytes // row_tensor(layout).shape[0]
+        with torch.inference_mode(False):  # reader threads write into it, outside inference mode
+            read = torch.empty(len(ids), row_bytes, dtype=torch.uint8)
+        if ids:
+            self._read_row_ranges(key, plan_rows(layout, torch.tensor(ids)).ranges, read.view(-1))
+        if cache is None:
+            return read
+        out = torch.empty(len(rows), row_bytes, dtype=torch.uint8, device=cache.buffer.device)
+        if cached:
+            out[cached] = cache.buffer[slots]
+        if ids:
+            out[missing] = read.to(out.device)
+            cache.insert(ids, read)
+        return out
 
     def _read_row_ranges(self, key: UnitKey, ranges: list[ReadRange], blob: torch.Tensor) -> None:
         """Read `ranges` into `blob` on the reader pool (split across its threads), waiting like a demand miss:
@@ -646,7 +681,8 @@ class TieredStore:
         for plan, tier in zip(self.placement.tiers, self.tiers):
             tier.free_all(self.ledger)
             items = self.ledger.accounts[tier.name].items
-            for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes)):
+            for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes),
+                            ("row cache", plan.row_cache_bytes)):
                 if n and items.get(what):
                     self.ledger.credit(tier.name, n, what)
 
