@@ -77,10 +77,9 @@ class RowCache:
         self.capacity, self.row_bytes = capacity, row_bytes
         self.buffer = torch.empty(capacity, row_bytes, dtype=torch.uint8, device=device)
         self._where: OrderedDict[int, int] = OrderedDict()  # row id -> buffer row, least recently used first
-        self.hits = self.misses = 0
 
     def lookup(self, rows: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(positions in `rows` cached, their buffer rows, positions to read), counting hits and misses."""
+        """(positions in `rows` cached, their buffer rows, positions to read)."""
         cached, slots, missing = [], [], []
         for i, row in enumerate(rows):
             slot = self._where.get(row)
@@ -90,8 +89,6 @@ class RowCache:
                 self._where.move_to_end(row)
                 cached.append(i)
                 slots.append(slot)
-        self.hits += len(cached)
-        self.misses += len(missing)
         return cached, slots, missing
 
     def insert(self, rows: list[int], data: torch.Tensor) -> None:

@@ -57,6 +57,7 @@ class StoreStats:
     prefetch_wasted: int = 0  # prefetched and evicted unused
     prefetch_cancelled: int = 0  # prefetches dropped before they started (routing proved them stale)
     prefetch_failed: int = 0  # prefetch reads that raised (the unit is dropped; a demand read retries it)
+    rows: dict[str, int] = field(default_factory=lambda: {"cached": 0, "read": 0})  # row lookups (store.rows)
     read_busy: BusyClock = field(default_factory=BusyClock, repr=False)  # the reader pool's busy time
 
     def snapshot(self) -> dict:
@@ -64,7 +65,8 @@ class StoreStats:
                 "bytes_host_to_device": self.bytes_host_to_device, "io_wait_s": self.io_wait_s,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_cancelled": self.prefetch_cancelled,
-                "prefetch_failed": self.prefetch_failed, "read_busy_s": self.read_busy.seconds()}
+                "prefetch_failed": self.prefetch_failed, "rows": dict(self.rows),
+                "read_busy_s": self.read_busy.seconds()}
 
 
 class TieredStore:
@@ -582,6 +584,9 @@ class TieredStore:
         cache = self.row_caches.get(key)
         cached, slots, missing = cache.lookup(rows) if cache is not None else ([], [], list(range(len(rows))))
         ids = [rows[i] for i in missing]
+        with self._lock:
+            self.stats.rows["cached"] += len(cached)
+            self.stats.rows["read"] += len(ids)
         row_bytes = row_tensor(layout).nbytes // row_tensor(layout).shape[0]
         with torch.inference_mode(False):  # reader threads write into it, outside inference mode
             read = torch.empty(len(ids), row_bytes, dtype=torch.uint8)
