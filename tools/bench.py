@@ -4,8 +4,9 @@
 For each budget (a % of the checkpoint's bytes) both systems decode the same greedy tokens after the same
 prompt; the table gives decode tok/s, bytes read per token, hit rate, stall time and the engine's time per
 token against a physical bound, max(resident compute time, bytes read and used / measured O_DIRECT bandwidth).
-The resident compute time is measured right before each budget's engine runs, not once: this VM's CPU speed
-drifts by up to ~15% over minutes (user CPU per token of the same work), as much as the bound's margin.
+The resident compute time is measured right before and right after each budget's engine runs (their mean is the
+bound's), not once: this VM's CPU speed drifts by up to ~15% over minutes (user CPU per token of the same work),
+as much as the bound's margin, and one side of the engine's run alone would lean with the drift.
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
@@ -100,7 +101,8 @@ class Row:
     budget_pct: float
     engine: EngineRun
     peers: dict[str, PeerRun]
-    resident_s_per_token: float  # measured right before this budget's engine runs
+    resident_s_per_token: float  # the mean of the runs right before and right after this budget's engine runs
+    resident_around: tuple[float, float]  # those two runs' s/token
     bound_s_per_token: float
     engine_vs_bound: float
     tokens_match: dict[str, bool]
@@ -345,11 +347,12 @@ def model_info(model: Path) -> dict[str, Any]:
             "vocab": config.get("vocab_size")}
 
 
-def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], compute_s: float,
+def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], around: tuple[float, float],
              disk_bw: float) -> Row:
+    compute_s = statistics.mean(around)
     bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
     match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
-    return Row(pct, engine, peers, compute_s, bound, engine.s_per_token / bound, match)
+    return Row(pct, engine, peers, compute_s, around, bound, engine.s_per_token / bound, match)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -394,9 +397,14 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
             f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.engine_vs_bound:>6.2f} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
     lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
-                 f"before each budget {'/'.join(f'{r.resident_s_per_token * 1e3:.1f}' for r in rows)}; "
+                 f"before-after each budget {' '.join(_around(r) for r in rows)}; "
                  f"O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
     return "\n".join(lines)
+
+
+def _around(r: Row) -> str:
+    before, after = r.resident_around
+    return f"{before * 1e3:.1f}-{after * 1e3:.1f}"
 
 
 def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
@@ -537,18 +545,20 @@ def main(argv: list[str] | None = None) -> int:
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
     rows_raw, by_mode, resident = [], {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
-        compute = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                             args.prefetch[0], args.context)
-        resident = resident or compute  # the first: the table's and the plot's reference
+        before = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                            args.prefetch[0], args.context)
+        resident = resident or before  # the first: the table's and the plot's reference
         by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                                          mode, args.context) for mode in args.prefetch}
+        after = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                           args.prefetch[0], args.context)
         engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
-        rows_raw.append((pct, engine, peers, compute.s_per_token))
+        rows_raw.append((pct, engine, peers, (before.s_per_token, after.s_per_token)))
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
     disk_bw = max(statistics.median(d["bytes_per_s"] for d in disk if d["threads"] == t) for t in (1, 4))
-    rows = [make_row(pct, e, p, compute_s, disk_bw) for pct, e, p, compute_s in rows_raw]
+    rows = [make_row(pct, e, p, around, disk_bw) for pct, e, p, around in rows_raw]
 
     print(table(rows, resident, disk_bw))
     if len(args.prefetch) > 1:
