@@ -95,7 +95,8 @@ def run_forwards(pay: PayCheck, clock: FakeClock, n: int, on_s: float, off_s: fl
     return settings
 
 
-@pytest.mark.parametrize("on_s, off_s, verdict", [(1.0, 2.0, True), (2.0, 1.0, False), (1.0, 1.0, False)])
+@pytest.mark.parametrize("on_s, off_s, verdict", [(1.0, 2.0, True), (2.0, 1.0, False), (1.0, 1.0, False),
+                                                  (0.97, 1.0, False), (0.94, 1.0, True)])  # MARGIN: 5%
 def test_pay_check_keeps_the_faster_setting_and_holds_it_longer_while_it_repeats(on_s, off_s, verdict):
     clock = FakeClock()
     pay = PayCheck(clock)
