@@ -1,4 +1,4 @@
-"""store.hostmem: the huge-page host regions CPU slot pools and resident weights live in."""
+"""store.hostmem: the huge-page host regions that CPU slot pools live in."""
 from __future__ import annotations
 
 import errno

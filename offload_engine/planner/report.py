@@ -32,9 +32,10 @@ def placement_summary(p: Plan) -> dict[str, Any]:
 def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
     """Per tier, everything charged to it. The engine's ledger (what --vram / --ram budget): `weights` (slots,
     `staging_slots` of them reserved for reads from the tier below), `staging` (O_DIRECT bounce buffers),
-    `kv_cache` and `row_cache` (rows of a kind read by rows), summed in `budget_charged`. Outside the ledger, charged here: `activations` (activation_bytes)
-    and `reserve` (the CUDA context on the device, fixed; the OS and process on the host). `total` is all of it;
-    `physical` the profile's memory (None for a CPU's compute pool: it shares the RAM, see plan_json's "fit")."""
+    `kv_cache` and `row_cache` (rows of a kind read by rows), summed in `budget_charged`. Outside the ledger,
+    charged here: `activations` (activation_bytes) and `reserve` (the CUDA context on the device, fixed; the OS
+    and process on the host). `total` is all of it; `physical` the profile's memory (None for a CPU's compute
+    pool: it shares the RAM, see plan_json's "fit")."""
     table = {}
     sizes = p.placement.sizes
     for t in p.placement.tiers:

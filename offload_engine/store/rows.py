@@ -37,6 +37,11 @@ def row_tensor(layout: UnitLayout) -> TensorSlice:
     return layout.slices[0]
 
 
+def row_bytes(tensor: TensorSlice) -> int:
+    """Bytes of one row of a row kind's table."""
+    return tensor.nbytes // tensor.shape[0]
+
+
 def plan_rows(layout: UnitLayout, ids: torch.Tensor) -> RowRequest:
     tensor = row_tensor(layout)
     count = tensor.shape[0]
@@ -45,13 +50,13 @@ def plan_rows(layout: UnitLayout, ids: torch.Tensor) -> RowRequest:
     if rows and (rows[0] < 0 or rows[-1] >= count):
         bad = rows[0] if rows[0] < 0 else rows[-1]
         raise IndexError(f"token id {bad} is outside {layout.key}'s {count} rows ({tensor.local} in {tensor.file})")
-    row_bytes = tensor.nbytes // count
+    size = row_bytes(tensor)
     ranges: list[ReadRange] = []
     start = 0
     for i in range(1, len(rows) + 1):  # one range per run of consecutive ids
         if i == len(rows) or rows[i] != rows[i - 1] + 1:
-            ranges.append(ReadRange(tensor.file, tensor.file_offset + rows[start] * row_bytes,
-                                    (i - start) * row_bytes, start * row_bytes))
+            ranges.append(ReadRange(tensor.file, tensor.file_offset + rows[start] * size, (i - start) * size,
+                                    start * size))
             start = i
     return RowRequest(tensor, rows, local.view(ids.shape), ranges)
 
@@ -92,8 +97,8 @@ class RowCache:
         return cached, slots, missing
 
     def insert(self, rows: list[int], data: torch.Tensor) -> None:
-        """Keep `rows` (not cached; `data` [len(rows), row_bytes] uint8), evicting the least recently used: of a
-        lookup larger than the cache (a prefill), the last rows."""
+        """Keep `rows` (not cached; `data` [len(rows), row_bytes] uint8 on the buffer's device), evicting the least
+        recently used: of a lookup larger than the cache (a prefill), the last rows."""
         keep = rows[-self.capacity:] if self.capacity else []
         data = data[len(rows) - len(keep):]
         slots = []
@@ -105,4 +110,4 @@ class RowCache:
             self._where[row] = slot
             slots.append(slot)
         if slots:
-            self.buffer[torch.tensor(slots, device=self.buffer.device)] = data.to(self.buffer.device)
+            self.buffer[torch.tensor(slots, device=self.buffer.device)] = data

@@ -38,7 +38,7 @@ from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, aged_count, choose_victim, layer_to_evict
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
-from .rows import RowCache, plan_rows, row_tensor, split
+from .rows import RowCache, plan_rows, row_bytes, row_tensor, split
 from .tier import Slot, Tier
 
 PREFETCH_SLOTS = 8  # default quota of prefetched, unused units per kind (_reserve; PrefetchConfig.slots)
@@ -125,9 +125,8 @@ class TieredStore:
         ledger.charge(self.compute.name, nbytes, "row cache")
         caches = {}
         for key in keys:
-            table = row_tensor(self.checkpoint.layouts[key])
-            row_bytes = table.nbytes // table.shape[0]
-            caches[key] = RowCache(nbytes // len(keys) // row_bytes, row_bytes, self.compute.device)
+            size = row_bytes(row_tensor(self.checkpoint.layouts[key]))
+            caches[key] = RowCache(nbytes // len(keys) // size, size, self.compute.device)
         return caches
 
     # ---- loading ----------------------------------------------------------------------------------------
@@ -572,13 +571,13 @@ class TieredStore:
             slot = self.host.resident[key]
             table = layout.views(slot.blob[slot.offset:])[req.tensor.local][torch.tensor(req.rows)]
         else:
-            raw = self._row_bytes(key, layout, req.rows)
+            raw = self._rows_raw(key, layout, req.rows)
             table = raw.view(DTYPES[req.tensor.dtype][1]).view(len(req.rows), req.tensor.shape[1])
         if table.is_floating_point() and table.dtype != self.dtype:
             table = table.to(self.dtype)
         return {req.tensor.local: table.to(self.compute.device)}, req.local_ids.to(ids.device)
 
-    def _row_bytes(self, key: UnitKey, layout: UnitLayout, rows: list[int]) -> torch.Tensor:
+    def _rows_raw(self, key: UnitKey, layout: UnitLayout, rows: list[int]) -> torch.Tensor:
         """The bytes of `rows` (distinct ids, ascending) as [len(rows), row bytes]: those in the row cache from
         there, the others read from the checkpoint (and cached)."""
         cache = self.row_caches.get(key)
@@ -587,18 +586,19 @@ class TieredStore:
         with self._lock:
             self.stats.rows["cached"] += len(cached)
             self.stats.rows["read"] += len(ids)
-        row_bytes = row_tensor(layout).nbytes // row_tensor(layout).shape[0]
+        size = row_bytes(row_tensor(layout))
         with torch.inference_mode(False):  # reader threads write into it, outside inference mode
-            read = torch.empty(len(ids), row_bytes, dtype=torch.uint8)
+            read = torch.empty(len(ids), size, dtype=torch.uint8)
         if ids:
             self._read_row_ranges(key, plan_rows(layout, torch.tensor(ids)).ranges, read.view(-1))
         if cache is None:
             return read
-        out = torch.empty(len(rows), row_bytes, dtype=torch.uint8, device=cache.buffer.device)
+        out = torch.empty(len(rows), size, dtype=torch.uint8, device=cache.buffer.device)
         if cached:
             out[cached] = cache.buffer[slots]
         if ids:
-            out[missing] = read.to(out.device)
+            read = read.to(out.device)
+            out[missing] = read
             cache.insert(ids, read)
         return out
 
