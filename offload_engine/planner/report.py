@@ -149,10 +149,10 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
                              + (f", {t['staging']} of them staging" if t["staging"] else "")
                              + f") = {_b(t['bytes'])}")
         if p.placement.by_rows(kind):
-            cache = p.placement.compute.row_cache_bytes
-            where.append(f"no slot: the rows a step looks up are read from disk "
-                         f"({_b(info['slot_bytes'] / max(s.vocab_size, 1))} per token) unless among the "
-                         f"{cache * max(s.vocab_size, 1) // max(info['slot_bytes'], 1)} cached last")
+            # the slot's few KiB of slack spread over the rows: a fraction of a byte each on real vocabularies
+            row = max(info["slot_bytes"] // max(s.vocab_size, 1), 1)
+            where.append(f"no slot: the rows a step looks up are read from disk ({_b(row)} per token) unless "
+                         f"among the {p.placement.compute.row_cache_bytes // row} cached last")
         elif info["home"] == "disk":
             where.append("rest streamed from disk")
         lines.append(f"  {kind:<7} {info['units']:>6} x {_b(info['slot_bytes']):>10}  " + "; ".join(where))
