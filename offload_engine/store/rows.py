@@ -76,12 +76,15 @@ def split(ranges: list[ReadRange], parts: int) -> list[list[ReadRange]]:
 
 class RowCache:
     """The last `capacity` distinct rows of one table looked up (least recently used out), as raw bytes in one
-    [capacity, row_bytes] buffer on the compute device."""
+    [capacity, row size] buffer on the compute device."""
 
-    def __init__(self, capacity: int, row_bytes: int, device: torch.device):
-        self.capacity, self.row_bytes = capacity, row_bytes
-        self.buffer = torch.empty(capacity, row_bytes, dtype=torch.uint8, device=device)
+    def __init__(self, capacity: int, size: int, device: torch.device):
+        self.buffer = torch.empty(capacity, size, dtype=torch.uint8, device=device)
         self._where: OrderedDict[int, int] = OrderedDict()  # row id -> buffer row, least recently used first
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[0]
 
     def lookup(self, rows: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(positions in `rows` cached, their buffer rows, positions to read)."""
@@ -97,7 +100,7 @@ class RowCache:
         return cached, slots, missing
 
     def insert(self, rows: list[int], data: torch.Tensor) -> None:
-        """Keep `rows` (not cached; `data` [len(rows), row_bytes] uint8 on the buffer's device), evicting the least
+        """Keep `rows` (not cached; `data` [len(rows), row size] uint8 on the buffer's device), evicting the least
         recently used: of a lookup larger than the cache (a prefill), the last rows."""
         keep = rows[-self.capacity:] if self.capacity else []
         data = data[len(rows) - len(keep):]
