@@ -41,6 +41,7 @@ class PrefetchConfig:
     adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
     reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
     slots: int = PREFETCH_SLOTS  # slots of a kind that prefetched, unused units may hold (TieredStore._reserve)
+    route_ahead: int = 1  # MoE layers whose routing a layer waiting for reads predicts (0: off; CausalLM._route_ahead)
 
 
 @dataclass
@@ -119,6 +120,11 @@ class PayCheck:
                 self._phase, self.on, self._left = "hold", verdict, self._hold
 
 
+# Forwards of at most this many tokens route ahead (decode, speculative verification). A prefill routes its
+# tokens to most experts of every layer: its waits are for reads of its own layer, and a guess adds little.
+ROUTE_AHEAD_TOKENS = 16
+
+
 class Prefetcher:
     def __init__(self, store, predictor: ExpertPredictor, moe_layers: list[int], num_layers: int,
                  config: PrefetchConfig):
@@ -127,6 +133,8 @@ class Prefetcher:
         self.moe_layers, self.num_layers = sorted(moe_layers), num_layers
         self.metrics = PrefetchMetrics()
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for it, not yet routed
+        self._ahead: dict[int, set[int]] = {}  # layer -> experts its routing computed ahead named (routed_ahead)
+        self.ahead_metrics = PrefetchMetrics()
         self.expert_prefetch = config.enabled
         self.pay = PayCheck() if config.adaptive else None
         self._stream_dense = store.placement.home("dense") == "disk"
@@ -155,14 +163,35 @@ class Prefetcher:
         self.store.prefetch([k for k, _ in prediction], used_before=self._forward_ticks[0],
                             limit=self.config.reads * x.shape[0])
 
+    def routes_ahead(self, tokens: int) -> int:
+        """How many next layers' routing a forward of `tokens` tokens predicts while a layer waits for reads
+        (CausalLM._route_ahead). Not subject to the pay check: it runs in time the compute thread would spend
+        waiting, and it is rarely wrong."""
+        on = self.config.enabled and tokens <= ROUTE_AHEAD_TOKENS
+        return self.config.route_ahead if on else 0
+
+    def resident_weights(self, key: UnitKey):
+        """A unit's weights if resident (no read): what computing a routing ahead may use."""
+        return self.store.peek(key)
+
+    def routed_ahead(self, layer: int, experts: list[int]) -> None:
+        """Layer `layer`'s routing as predicted by a layer before it (CausalLM._route_ahead): read its experts
+        now, under the rules of every prefetch (TieredStore._reserve: only into slots unused since the previous
+        forward began; evicting like a demand read instead read more bytes per token in A/B runs). A wrong guess
+        is cancelled or marked stale by `routed`."""
+        self._ahead.setdefault(layer, set()).update(experts)
+        self.store.prefetch([UnitKey(layer, "expert", e) for e in experts], used_before=self._forward_ticks[0])
+
     def routed(self, layer: int, experts: list[int]) -> None:
         self.predictor.observe(layer, experts)
-        predicted = self._pending.pop(layer, None)
-        if predicted is None:
-            return
-        actual = set(experts)
-        self.metrics.record(layer, predicted, actual)
-        self.store.cancel_prefetch([UnitKey(layer, "expert", e) for e in predicted - actual])
+        actual, wrong = set(experts), set()
+        for guesses, metrics in ((self._pending, self.metrics), (self._ahead, self.ahead_metrics)):
+            predicted = guesses.pop(layer, None)
+            if predicted is not None:
+                metrics.record(layer, predicted, actual)
+                wrong |= predicted - actual
+        if wrong:
+            self.store.cancel_prefetch([UnitKey(layer, "expert", e) for e in sorted(wrong)])
 
     def summary(self) -> dict:
         metrics = self.metrics.summary()
@@ -173,4 +202,4 @@ class Prefetcher:
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
                 "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
                 "forwards_with_expert_prefetch": on_share, "recall_effective": metrics["recall"] * on_share,
-                **metrics}
+                **metrics, "route_ahead": {k: v for k, v in self.ahead_metrics.summary().items() if k != "per_layer"}}

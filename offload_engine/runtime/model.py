@@ -1,6 +1,8 @@
 """The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..checkpoint.model import ModelCheckpoint
@@ -27,6 +29,9 @@ class CausalLM:
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
         self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
         self.routing_trace: list[tuple[int, list[list[int]]]] | None = None  # set to [] to record routing
+        # layer -> the residual stream after its attention and after the whole layer, at the last token of the
+        # latest forward (_route_ahead)
+        self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new_cache(self, max_tokens: int) -> KVCache:
         if self.max_context is not None and max_tokens > self.max_context:
@@ -64,13 +69,16 @@ class CausalLM:
         for layer in range(self.num_layers):
             with self._unit(UnitKey(layer, "dense")) as w:
                 x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
+                after_attention = x
                 if prefetcher is not None:  # reads for the next layers start while this one computes
                     prefetcher.after_attention(layer, x)
                 h = ops.post_norm(layer, w, x)
                 if ops.is_moe(layer):
-                    x = x + self._moe(layer, w, h)
+                    x = x + self._moe(layer, w, h, self._route_ahead(layer, x))
                 else:
                     x = x + ops.dense_mlp(layer, w, h)
+                if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
+                    self._previous[layer] = (after_attention[-1:].clone(), x[-1:].clone())  # not views of [T, H]
         if last_only:
             x = x[-1:]
         with self._unit(UnitKey(self.num_layers, "head")) as w:
@@ -78,7 +86,10 @@ class CausalLM:
         cache.advance(T)
         return (logits, x) if return_hidden else logits
 
-    def _moe(self, layer: int, w: Weights, h: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, w: Weights, h: torch.Tensor,
+             ahead: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """ahead: given this layer's output so far (the experts computed, the shared experts), starts the next
+        layers' reads (see _route_ahead); called when the layer would otherwise wait for expert reads."""
         indices, weights = self.ops.route(layer, w, h)
         experts = routed_experts(indices, weights)
         if self.routing_trace is not None:
@@ -87,11 +98,49 @@ class CausalLM:
             self.prefetcher.routed(layer, experts)
         keys = [UnitKey(layer, "expert", e) for e in experts]
         parts = {}
-        for key, ew in self.source.acquire(keys):  # resident experts first, the rest as their reads land
+        shared: list[torch.Tensor | None] = []  # computed once, when first needed
+
+        def output() -> torch.Tensor:
+            if not shared:
+                shared.append(self.ops.shared_experts(layer, w, h))
+            out = combine(h, parts)
+            return out if shared[0] is None else out + shared[0]
+
+        # resident experts first, the rest as their reads land
+        for key, ew in self.source.acquire(keys, None if ahead is None else lambda: ahead(output())):
             try:
                 parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
             finally:
                 self.source.release([key])  # frees the slot for the next expert's read
-        out = combine(h, parts)
-        shared = self.ops.shared_experts(layer, w, h)
-        return out if shared is None else out + shared
+        return output()
+
+    def _route_ahead(self, layer: int, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+        """What layer `layer` does while it waits for expert reads: predict the routing of the next MoE layers
+        (PrefetchConfig.route_ahead of them) and read their experts, so that those reads start a layer early.
+        Returns a function of the layer's output so far, or None when there is nothing to predict.
+
+        Layer n's router input is guessed as this layer's output so far (x plus the partial output) moved by what
+        the layers between did to the previous forward's last token: its residual stream at layer n's router
+        minus its residual after this layer. Consecutive tokens' layer outputs differ little next to the
+        residual stream: on the bench model, offline with one of this layer's eight experts missing, this names
+        95% of the next layer's experts and 92% of the one after, where that layer's router applied to x alone
+        (the pay-checked lookahead of prefetch/predictor.py) names 63%. A prediction costs a router product, in
+        time the compute thread would spend waiting (after its experts at every layer, the extra reads and the
+        compute cost more than they hid in A/B runs: docs/PERF.md)."""
+        prefetcher, previous = self.prefetcher, self._previous
+        ahead = prefetcher.routes_ahead(x.shape[0]) if prefetcher is not None else 0
+        targets = [n for n in range(layer + 1, min(layer + 1 + ahead, self.num_layers))
+                   if self.ops.is_moe(n) and n in previous]
+        if not targets or layer not in previous:
+            return None
+        ops, done = self.ops, previous[layer][1]
+
+        def predict(partial: torch.Tensor) -> None:
+            now = x + partial
+            for n in targets:
+                w = prefetcher.resident_weights(UnitKey(n, "dense"))
+                if w is None:  # layer n's dense unit (its router) is not resident: no I/O to predict I/O
+                    continue
+                indices, weights = ops.route(n, w, ops.post_norm(n, w, now + (previous[n][0] - done)))
+                prefetcher.routed_ahead(n, routed_experts(indices, weights))
+        return predict

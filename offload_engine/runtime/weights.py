@@ -1,7 +1,8 @@
 """The seam between the runtime and whatever holds the weights (DESIGN: the runtime *asks* for weights).
 
 `acquire` yields units resident first and the others as they become available; the caller computes on each as
-it arrives and calls `release` when done, after which the source may evict them. A source may also offer
+it arrives and calls `release` when done, after which the source may evict them. A source that would block on
+reads first calls the caller's `while_waiting` (once), so the caller can use the wait. A source may also offer
 `rows(key, ids)`: the rows a lookup needs of a table it does not hold whole (the embedding; see `lookup`).
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ Weights = Mapping[str, torch.Tensor]
 
 
 class WeightSource(Protocol):
-    def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]: ...
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
+                ) -> Iterator[tuple[UnitKey, Weights]]: ...
     def release(self, keys: Sequence[UnitKey]) -> None: ...
 
 

@@ -1,7 +1,7 @@
 """Every unit read once and kept: the reference WeightSource (and the fastest when everything fits)."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -33,7 +33,9 @@ class ResidentWeights:
         finally:
             self.files.close()
 
-    def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
+                ) -> Iterator[tuple[UnitKey, Weights]]:
+        """Everything is resident: nothing is ever waited for, so `while_waiting` is never called."""
         for key in keys:
             yield key, self.units[key]
 

@@ -366,10 +366,15 @@ class TieredStore:
         return {k: (v.to(self.dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
 
     # ---- public API -------------------------------------------------------------------------------------
-    def acquire(self, keys: Sequence[UnitKey]) -> Iterator[tuple[UnitKey, Weights]]:
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
+                ) -> Iterator[tuple[UnitKey, Weights]]:
         """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done.
         Recency follows the order of `keys` (the last one is the most recently used), not the order the units
-        land in: the caller knows which units its sequence used last (runtime.moe.routed_experts)."""
+        land in: the caller knows which units its sequence used last (runtime.moe.routed_experts).
+
+        while_waiting: called once, on the caller's thread, when every unit handed over so far has been used
+        and none of the reads still awaited has landed: the caller's work for that otherwise idle time (the
+        runtime computes the next layer's routing ahead, CausalLM._route_ahead). Not counted as I/O wait."""
         keys = list(dict.fromkeys(keys))
         ready: list[tuple[UnitKey, Slot]] = []
         waiting: list[UnitKey] = []
@@ -406,6 +411,9 @@ class TieredStore:
                 if not inflight:
                     self._wait_for_a_prefetch(waiting)
                     continue
+                if while_waiting is not None and not any(fut.done() for fut in inflight):
+                    work, while_waiting = while_waiting, None
+                    work()
                 for fut in self._wait_any(inflight):
                     key = inflight.pop(fut)
                     owed.discard(key)
