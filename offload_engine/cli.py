@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
                      help="expert guesses read per token at each layer (default 1; more pays only with spare disk "
                           "bandwidth)")
+    run.add_argument("--route-ahead", type=int, default=1, metavar="N",
+                     help="MoE layers whose routing a layer waiting for expert reads predicts, to read their experts "
+                          "early (default 1; 0: off; part of expert prefetching, which --prefetch adaptive "
+                          "keeps only while it pays)")
     run.add_argument("--trace", metavar="FILE",
                      help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
     run.add_argument("--spec", default="off", choices=["off", "auto", "ngram", "mtp", "draft", "self"],
@@ -113,19 +117,21 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _prefetch_config(args: argparse.Namespace) -> Any:
-    """--prefetch, --prefetch-depth, --prefetch-reads and --trace as Engine.open's `prefetch` (a PrefetchConfig,
-    or False)."""
+    """--prefetch, --prefetch-depth, --prefetch-reads, --route-ahead and --trace as Engine.open's `prefetch` (a
+    PrefetchConfig, or False)."""
     from pathlib import Path
 
     from .errors import ConfigError
     from .prefetch.prefetcher import PrefetchConfig
 
-    for flag, value in (("--prefetch-depth", args.prefetch_depth), ("--prefetch-reads", args.prefetch_reads)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be an integer >= 1, got {value}")
+    for flag, value, least in (("--prefetch-depth", args.prefetch_depth, 1), ("--prefetch-reads", args.prefetch_reads, 1),
+                               ("--route-ahead", args.route_ahead, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} must be an integer >= {least}, got {value}")
     if args.trace is not None and not Path(args.trace).is_file():
         raise ConfigError(f"--trace {args.trace}: no such file (write one with tools/trace_experts.py record)")
     return args.prefetch != "off" and PrefetchConfig(depth=args.prefetch_depth, reads=args.prefetch_reads,
+                                                     route_ahead=args.route_ahead,
                                                      adaptive=args.prefetch == "adaptive")
 
 

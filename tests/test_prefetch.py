@@ -13,6 +13,7 @@ from offload_engine import Budget, Engine, PrefetchConfig
 from offload_engine.prefetch.predictor import Combined, FrequencyPrior
 from offload_engine.prefetch.prefetcher import PayCheck
 from offload_engine.checkpoint.naming import UnitKey
+from offload_engine.errors import ConfigError
 from offload_engine.store.disk import read_range
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -56,6 +57,13 @@ def test_prefetch_off_matches(reference):
         completion = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
     assert completion.token_ids == expected
     assert completion.stats["prefetch_issued"] == 0
+
+
+@pytest.mark.parametrize("field, value", [("depth", 0), ("reads", -1), ("route_ahead", -1), ("route_ahead", 1.5),
+                                          ("slots", True)])
+def test_prefetch_config_refuses_bad_values_by_name(field, value):
+    with pytest.raises(ConfigError, match=f"PrefetchConfig.{field} must be an integer"):
+        PrefetchConfig(**{field: value})
 
 
 def test_frequency_prior_and_combination():
@@ -145,7 +153,7 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
     base = ["run", "--model", str(path), "--ram", "25%", "--context", "64", "--max-new-tokens", "24", "--json",
             "--quiet", "--prompt", "x"]
     for extra, enabled in ((["--trace", str(trace), "--prefetch", "on", "--prefetch-depth", "2",
-                             "--prefetch-reads", "3"], True),
+                             "--prefetch-reads", "3", "--route-ahead", "2"], True),
                            (["--prefetch", "off"], False)):
         capsys.readouterr()
         assert main(base + extra) == 0
@@ -158,8 +166,8 @@ def test_cli_prefetch_flags_and_a_recorded_trace(reference, tmp_path, capsys):
         bad.write_text(text)
         assert main(base + ["--trace", str(bad)]) != 0
         assert "bad.json" in capsys.readouterr().err
-    for flag in ("--prefetch-depth", "--prefetch-reads"):
-        assert main(base + [flag, "0"]) != 0
+    for flag, bad in (("--prefetch-depth", "0"), ("--prefetch-reads", "0"), ("--route-ahead", "-1")):
+        assert main(base + [flag, bad]) != 0
         assert flag in capsys.readouterr().err
     assert main(base + ["--threads", "0"]) != 0
     assert "--threads" in capsys.readouterr().err

@@ -124,9 +124,9 @@ class CausalLM:
         minus its residual after this layer. Consecutive tokens' layer outputs differ little next to the
         residual stream: on the bench model, offline with one of this layer's eight experts missing, this names
         95% of the next layer's experts and 92% of the one after, where that layer's router applied to x alone
-        (the pay-checked lookahead of prefetch/predictor.py) names 63%. A prediction costs a router product, in
-        time the compute thread would spend waiting (after its experts at every layer, the extra reads and the
-        compute cost more than they hid in A/B runs: docs/PERF.md)."""
+        (prefetch/predictor.py's lookahead) names 63%; in the engine at 25%, 77% of the reads it started were
+        used. A prediction costs a router product, in time the compute thread would spend waiting (predicting
+        after every layer's experts instead read more and hid less in A/B runs: docs/PERF.md)."""
         prefetcher, previous = self.prefetcher, self._previous
         ahead = prefetcher.routes_ahead(x.shape[0]) if prefetcher is not None else 0
         targets = [n for n in range(layer + 1, min(layer + 1 + ahead, self.num_layers))
