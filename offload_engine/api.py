@@ -275,7 +275,7 @@ class Engine:
             "io_overlap": (max(0.0, 1.0 - store["io_wait_s"] / store["read_busy_s"])
                            if store["read_busy_s"] > 0 else 1.0),
             "hit_rate": _hit_rate(store, self.store.compute.name),
-            "prefetch": self.model.prefetcher.summary() if self.model.prefetcher else {"enabled": False},
+            "prefetch": _prefetch_stats(self.model.prefetcher, store["expert_reads"]),
             "budget_bytes": _tiers(ledger.budgets()),
             "peak_bytes": _tiers(ledger.peak()),
             "device": str(self.device),
@@ -387,6 +387,15 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
                                 lambda t: store.peek(UnitKey(t, "dense")))
     prior = FrequencyPrior(moe_layers, spec.num_experts_per_tok, Path(trace) if trace else None)
     return Prefetcher(store, Combined(lookahead, prior), moe_layers, spec.num_layers, config)
+
+
+def _prefetch_stats(prefetcher: Prefetcher | None, expert_reads: dict[str, int]) -> dict[str, Any]:
+    """The prefetcher's summary, and recall_effective: the share of this request's expert reads that a prefetch
+    made ahead of their use (the planner's prefetch recall, `plan --bench`)."""
+    if prefetcher is None:
+        return {"enabled": False, "recall_effective": 0.0}
+    reads = expert_reads["ahead"] + expert_reads["demand"]
+    return {**prefetcher.summary(), "recall_effective": expert_reads["ahead"] / reads if reads else 0.0}
 
 
 def _hit_rate(store: dict, tier: str) -> float:

@@ -274,10 +274,15 @@ def test_route_ahead_is_lossless_and_names_the_routed_experts(reference, route_a
                      read_fn=SlowReads(0.004)) as engine:
         completion = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
     assert completion.token_ids == expected
-    ahead = completion.stats["prefetch"]["route_ahead"]
+    ahead, reads = completion.stats["prefetch"]["route_ahead"], completion.stats["expert_reads"]
+    # the planner's recall: the share of this request's expert reads made ahead of their use
+    assert completion.stats["prefetch"]["recall_effective"] == pytest.approx(
+        reads["ahead"] / (reads["ahead"] + reads["demand"]))
     if route_ahead == 0:
         assert ahead == {"precision": 0.0, "recall": 0.0} and completion.stats["prefetch_issued"] == 0
+        assert reads["ahead"] == 0 and reads["demand"] > 0
     else:
+        assert reads["ahead"] > 0
         chance = engine.model.spec.num_experts_per_tok / engine.model.spec.num_experts  # 4 of 64 experts
         assert ahead["precision"] > 4 * chance and ahead["recall"] > 4 * chance  # measured: 0.63 / 0.46 (depth 2)
         assert completion.stats["prefetch_used"] > 0

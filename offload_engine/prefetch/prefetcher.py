@@ -206,10 +206,9 @@ class Prefetcher:
     def summary(self) -> dict:
         metrics = self.metrics.summary()
         on_share = self._forwards[1] / self._forwards[0] if self._forwards[0] else 0.0
-        # recall / precision score the forwards that predicted (over routed experts, resident ones included);
-        # recall_effective estimates the planner's A4 recall, the share of expert reads issued ahead, as that
-        # recall times the share of forwards that prefetched experts
+        # recall / precision score the forwards that predicted (over routed experts, resident ones included); the
+        # share of expert reads made ahead (the planner's recall) is the store's expert_reads (Engine stats)
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
                 "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
-                "forwards_with_expert_prefetch": on_share, "recall_effective": metrics["recall"] * on_share,
-                **metrics, "route_ahead": {k: v for k, v in self.ahead_metrics.summary().items() if k != "per_layer"}}
+                "forwards_with_expert_prefetch": on_share, **metrics,
+                "route_ahead": {k: v for k, v in self.ahead_metrics.summary().items() if k != "per_layer"}}

@@ -58,6 +58,8 @@ class StoreStats:
     prefetch_cancelled: int = 0  # prefetches dropped before they started (routing proved them stale)
     prefetch_failed: int = 0  # prefetch reads that raised (the unit is dropped; a demand read retries it)
     rows: dict[str, int] = field(default_factory=lambda: {"cached": 0, "read": 0})  # row lookups (store.rows)
+    # expert units requests needed read, by whom: a prefetch (read ahead, then used) or the request (on demand)
+    expert_reads: dict[str, int] = field(default_factory=lambda: {"ahead": 0, "demand": 0})
     read_busy: BusyClock = field(default_factory=BusyClock, repr=False)  # the reader pool's busy time
 
     def snapshot(self) -> dict:
@@ -66,6 +68,7 @@ class StoreStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_cancelled": self.prefetch_cancelled,
                 "prefetch_failed": self.prefetch_failed, "rows": dict(self.rows),
+                "expert_reads": dict(self.expert_reads),
                 "read_busy_s": self.read_busy.seconds()}
 
 
@@ -390,9 +393,7 @@ class TieredStore:
                     slot.refs += 1
                     self._touch(slot, stamp[key])
                     self.stats.hits[self.compute.name] += 1
-                    if slot.prefetched:
-                        slot.prefetched = slot.stale = False
-                        self.stats.prefetch_used += 1
+                    self._claim_prefetched(slot, key)
                     ready.append((key, slot))
                 else:
                     waiting.append(key)
@@ -490,9 +491,7 @@ class TieredStore:
                     slot = None
                 if slot is not None:  # resident by now, or a prefetch is reading it
                     slot.refs += 1
-                    if slot.prefetched:
-                        slot.prefetched = slot.stale = False
-                        self.stats.prefetch_used += 1
+                    self._claim_prefetched(slot, key)
                     if slot.loading is None:
                         self.stats.hits[self.compute.name] += 1
                     fut = slot.loading if slot.loading is not None else _done_future()
@@ -501,12 +500,23 @@ class TieredStore:
                     if slot is None:
                         return  # wait for releases or completions
                     self.stats.misses[self.compute.name] += 1
+                    if key.kind == "expert":
+                        self.stats.expert_reads["demand"] += 1
                     fut = self.pool.submit(DEMAND, partial(self._fill, key, slot), str(key))
                     slot.loading = fut
                     own.add(fut)
                 inflight[fut] = key
                 owed.add(key)
                 waiting.remove(key)
+
+    def _claim_prefetched(self, slot: Slot, key: UnitKey) -> None:
+        """A request uses the unit a prefetch read (or is reading) into `slot`: it joins the cache, and counts as
+        a read made ahead. Call with the lock held."""
+        if slot.prefetched:
+            slot.prefetched = slot.stale = False
+            self.stats.prefetch_used += 1
+            if key.kind == "expert":
+                self.stats.expert_reads["ahead"] += 1
 
     def _prefetches_in_flight(self, kind: str | None = None) -> list[Future]:
         with self._lock:
