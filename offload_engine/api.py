@@ -32,7 +32,7 @@ from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
 from .spec.cost import SpecStats
 from .spec.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
 from .spec.sampling import Sampler, SamplingParams
-from .spec.speculative import MAX_DEPTH, MAX_WIDTH, SPEC_MODES, make_stepper
+from .spec.speculative import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
 from .store.build import build_store, plan_for
 from .store.store import ReadFn, TieredStore
 from .tokenizer import Tokenizer
@@ -60,7 +60,7 @@ class Engine:
         self.checkpoint, self.model, self.tokenizer, self.store = checkpoint, model, tokenizer, store
         self.device, self.dtype = device, dtype
         self.context = context or model.max_context  # prompt + generated tokens one request may hold
-        self.spec, self.spec_depth, self.spec_width = _check_spec(spec, spec_depth, spec_width)
+        self.spec, self.spec_depth, self.spec_width = check_spec(spec, spec_depth, spec_width)
         self.draft = draft
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the request holding the lock
@@ -92,7 +92,7 @@ class Engine:
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
-        spec, spec_depth, spec_width = _check_spec(spec, spec_depth, spec_width)
+        spec, spec_depth, spec_width = check_spec(spec, spec_depth, spec_width)
         if spec == "draft" and draft_model is None:
             raise ConfigError("spec 'draft' needs a draft model: pass --draft-model DIR (API: draft_model=...)")
         dev = resolve_device(device)
@@ -199,7 +199,7 @@ class Engine:
         if spec is None:
             mode, depth, width = self.spec, self.spec_depth, self.spec_width
         else:
-            mode, depth, width = _check_spec(spec, spec_depth, spec_width)
+            mode, depth, width = check_spec(spec, spec_depth, spec_width)
         if mode == "mtp" and not mtp_layer_count(self.checkpoint):
             raise ConfigError("spec 'mtp': this engine was opened without the checkpoint's MTP layers; open it with "
                               "spec='mtp' (spec='auto' loads them only where they cost little memory)")
@@ -281,15 +281,6 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
-
-
-def _check_spec(spec: str, depth: int | None, width: int | None) -> tuple[str, int | None, int | None]:
-    if spec not in SPEC_MODES:
-        raise ConfigError(f"--spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
-    for flag, value, most in (("--spec-depth", depth, MAX_DEPTH), ("--spec-width", width, MAX_WIDTH)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise ConfigError(f"{flag} must be an integer from 1 to {most}, got {value!r}")
-    return spec, depth, width
 
 
 def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int) -> int:

@@ -219,3 +219,15 @@ def test_mtp_drafter_restarts_on_a_window_when_rows_were_dropped(pairs):
     state.push_hidden(0, m.hidden[:12])  # 12 positions, only the last 4 are kept
     tree = drafter.propose(m.ids[:13].tolist(), state, DraftBudget(depth=2, width=2))
     assert len(tree) == 4 and drafter.end[0] == 12 and drafter.caches[0].length == 4 + 1  # + one draft entry
+
+
+def test_only_the_decoder_layers_decide_the_fused_expert_layout():
+    """MTP layers (numbered after the decoder's, or under `mtp.`) may store their experts the other way than
+    the trunk; runtime/mtp.py reads either, and they must not flip the layout expected of the trunk."""
+    from offload_engine.checkpoint.model import fused_expert_layout
+
+    per_expert = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(2) for e in range(4)]
+    fused_mtp = ["model.layers.2.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"]
+    assert not fused_expert_layout(per_expert + fused_mtp, num_layers=2)
+    assert fused_expert_layout(["model.language_model.layers.1.mlp.experts.gate_up_proj"], num_layers=2)
+    assert fused_expert_layout(["model.layers.0.mlp.experts.down_proj"] + per_expert, num_layers=2)

@@ -5,7 +5,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import CheckpointFormatError
 from .hf_config import ModelSpec, parse_config
@@ -14,6 +14,19 @@ from .layout import UnitLayout, build_layout
 from .naming import ModelSchema, UnitKey
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fused_expert_layout(names: Iterable[str], num_layers: int) -> bool:
+    """Whether the decoder layers store their routed experts fused (transformers 5's `experts.gate_up_proj
+    [E, 2I, H]`) rather than one tensor set per expert. Only the decoder's own layers decide: MTP layers (numbered
+    after them, or under `mtp.`) may be written in the other layout, and runtime/mtp.py reads either."""
+    for name in names:
+        layer = _LAYER_INDEX.search(name)
+        if (_FUSED_EXPERTS.search(name) and layer is not None and not name.startswith("mtp.")
+                and int(layer.group(1)) < num_layers):
+            return True
+    return False
 
 
 @dataclass
@@ -59,7 +72,7 @@ def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelChe
         raise CheckpointFormatError(config_path, f"quantized checkpoints (quant_method={method!r}) are not supported "
                                                  f"yet", hint="use a bf16/fp16/fp32 checkpoint")
     args = arch.args(spec)
-    fused = any(_FUSED_EXPERTS.search(n) for n in index.tensors)
+    fused = fused_expert_layout(index.tensors, spec.num_layers)
     schema = arch.schema(args, fused_experts=fused)
     _check_tensors(index, spec, schema, config_path, allow_cast)
     layouts = {key: build_layout(key, specs, index.tensors) for key, specs in schema.units.items()}
