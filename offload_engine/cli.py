@@ -124,8 +124,8 @@ def _prefetch_config(args: argparse.Namespace) -> Any:
     from .errors import ConfigError
     from .prefetch.prefetcher import PrefetchConfig
 
-    for flag, value, least in (("--prefetch-depth", args.prefetch_depth, 1), ("--prefetch-reads", args.prefetch_reads, 1),
-                               ("--route-ahead", args.route_ahead, 0)):
+    for flag, value, least in (("--prefetch-depth", args.prefetch_depth, 1),
+                               ("--prefetch-reads", args.prefetch_reads, 1), ("--route-ahead", args.route_ahead, 0)):
         if value < least:
             raise ConfigError(f"{flag} must be an integer >= {least}, got {value}")
     if args.trace is not None and not Path(args.trace).is_file():

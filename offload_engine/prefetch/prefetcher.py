@@ -77,8 +77,9 @@ class PrefetchMetrics:
 
 
 class PayCheck:
-    """Whether expert prefetching pays, by measuring single-token forwards (the time from one forward's start
-    to the next single-token forward's) in trials: TRIAL with it on and TRIAL with it off, in turns starting with
+    """Whether expert prefetching pays, by measuring single-token forwards (each from its start to its end: the
+    time between forwards is the caller's, a slow consumer of the stream or another engine's turn in a benchmark,
+    and must not count) in trials: TRIAL with it on and TRIAL with it off, in turns starting with
     on, then with off (so a drift over a trial, such as the cache warming, favours neither); the lower median
     wins and holds for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. On must
     beat off by MARGIN: prefetching costs reads, memory bandwidth and compute-thread time, so it must show a gain
@@ -96,18 +97,20 @@ class PayCheck:
         self._first = True  # the setting the current trial times first
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._hold, self._left = self.HOLD, 0
-        self._started: float | None = None  # start of the last single-token forward
+        self._started: float | None = None  # start of the single-token forward running now
 
     def forward_started(self, tokens: int) -> bool:
         """Called as each forward starts; returns whether it prefetches experts."""
-        now = self.clock()
-        # timed up to the next single-token forward only: a prefill closing it would add the gap between requests
-        if self._started is not None and tokens == 1 and self._phase != "hold":
-            self._times[self.on].append(now - self._started)
-        self._started = now if tokens == 1 else None  # prefill and verification passes are not timed
         if tokens == 1:
             self._advance()
+        self._started = self.clock() if tokens == 1 else None  # prefill and verification passes are not timed
         return self.on
+
+    def forward_finished(self) -> None:
+        """Called as each forward ends (a forward that raised is simply not timed)."""
+        if self._started is not None and self._phase != "hold":
+            self._times[self.on].append(self.clock() - self._started)
+        self._started = None
 
     def _advance(self) -> None:
         if self._phase == "hold":
@@ -170,6 +173,10 @@ class Prefetcher:
         self.store.prefetch([k for k, _ in prediction], used_before=self._forward_ticks[0],
                             limit=self.config.reads * x.shape[0])
 
+    def forward_finished(self) -> None:
+        if self.pay is not None:
+            self.pay.forward_finished()
+
     def routes_ahead(self, tokens: int) -> int:
         """How many next layers' routing a forward of `tokens` tokens predicts while a layer waits for reads
         (CausalLM._route_ahead). Part of expert prefetching, so the pay check switches it with the lookahead: it
@@ -187,8 +194,8 @@ class Prefetcher:
     def routed_ahead(self, layer: int, experts: list[int]) -> None:
         """Layer `layer`'s routing as predicted by a layer before it (CausalLM._route_ahead): read its experts
         now, under the rules of every prefetch (TieredStore._reserve: only into slots unused since the previous
-        forward began; evicting like a demand read instead read more bytes per token in A/B runs). A wrong guess
-        is cancelled or marked stale by `routed`."""
+        forward began, within the quota of unjudged guesses). A wrong guess is cancelled or marked stale by
+        `routed`."""
         self._ahead.setdefault(layer, set()).update(experts)
         self.store.prefetch([UnitKey(layer, "expert", e) for e in experts], used_before=self._forward_ticks[0])
 

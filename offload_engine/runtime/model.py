@@ -83,6 +83,8 @@ class CausalLM:
             x = x[-1:]
         with self._unit(UnitKey(self.num_layers, "head")) as w:
             logits = ops.logits(w, x)
+        if prefetcher is not None:
+            prefetcher.forward_finished()
         cache.advance(T)
         return (logits, x) if return_hidden else logits
 
