@@ -4,14 +4,9 @@
 For each budget (a % of the checkpoint's bytes) both systems decode the same greedy tokens after the same
 prompt; the table gives decode tok/s, bytes read per token, hit rate, stall time and the engine's time per
 token against a physical bound, max(resident compute time, bytes read and used / measured O_DIRECT bandwidth).
-The engine against the bound is measured with a fully resident engine decoding the same prompt in turns with
-the budget's engine, TURN_TOKENS tokens a turn (which one goes first alternates): this VM's CPU speed drifts by
-10-25% within seconds (user CPU per token of the same work), as much as the bound's margin, so a reference
-measured before or after the engine (sessions 5-6) leaned with the drift. Turns of one token slowed the engine
-more than the resident one (each turn starts with the other's data in the caches, and the engine's store does
-more of its work per token in Python): 78.3 vs 72.6 ms/token alone, against 74.2 with turns of four. The engine's pay check times forwards from their
-start to their end, so the other engine's turns do not count in it. The speed columns and the ratios to the peer
-come from the engine run alone, as the peer runs.
+The resident compute time is measured right before and right after each budget's engine runs (their mean is the
+bound's), not once: this VM's CPU speed drifts by up to ~15% over minutes (user CPU per token of the same work),
+as much as the bound's margin, and one side of the engine's run alone would lean with the drift.
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
@@ -55,7 +50,6 @@ from offload_engine.spec.decoder import FinishEvent  # noqa: E402
 MB = 1e6
 PREFETCH_MODES = {"off": False, "on": PrefetchConfig(adaptive=False), "adaptive": PrefetchConfig()}
 TARGETS_AT = 25  # the issue's acceptance budget (%)
-TURN_TOKENS = 4  # decode steps per turn when the engine and the resident engine decode in turns (run_pair)
 
 
 # ---- results ------------------------------------------------------------------------------------------------
@@ -107,8 +101,8 @@ class Row:
     budget_pct: float
     engine: EngineRun
     peers: dict[str, PeerRun]
-    resident_s_per_token: float  # the resident engine's, decoding in turns with this budget's engine (run_pair)
-    paired_s_per_token: float  # this budget's engine's in those turns: what is held against the bound
+    resident_s_per_token: float  # the mean of the runs right before and right after this budget's engine runs
+    resident_around: tuple[float, float]  # those two runs' s/token
     bound_s_per_token: float
     engine_vs_bound: float
     tokens_match: dict[str, bool]
@@ -172,95 +166,32 @@ def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int
         gc.collect()
 
 
-def run_pair(model: Path, pct: float, prompt: list[int], warm: list[int], steps: int, progress: bool,
-             quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None
-             ) -> tuple[EngineRun, EngineRun]:
-    """The engine at `pct` and the fully resident engine (the bound's compute time), each warmed up as in
-    run_engine, then decoding the same prompt in turns of TURN_TOKENS tokens, the first of each pair alternating.
-    Each engine's decode time is the sum of its own steps, so both see the same phases of the machine."""
-    engines = {}
-    try:
-        for name, budget_pct, mode in (("engine", pct, prefetch), ("resident", None, prefetch)):
-            start = time.perf_counter()
-            options = {} if mode == "adaptive" else {"prefetch": PREFETCH_MODES[mode]}
-            engine = Engine.open(model, budget=Budget() if budget_pct is None else Budget(ram=f"{budget_pct:g}%"),
-                                 max_context=context or len(prompt) + steps + 8,
-                                 direct_io="auto" if budget_pct is None else "on", **options)
-            engines[name] = (engine, budget_pct, time.perf_counter() - start)
-            engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
-        wait_for_quiet(quiet)
-        turns = {name: _Turns(engine, prompt, steps) for name, (engine, _, _) in engines.items()}
-        bar = tqdm(total=steps, desc=f"engine {_label(pct)} + resident", unit="tok", leave=False,
-                   disable=not progress)
-        order = ["engine", "resident"]
-        while any(not t.finished for t in turns.values()):
-            for name in order:
-                for _ in range(TURN_TOKENS):
-                    turns[name].step()
-            order.reverse()
-            bar.update(TURN_TOKENS)
-        bar.close()
-        return tuple(_engine_run(engines[name][0], engines[name][1], turns[name], engines[name][2], prefetch)
-                     for name in ("engine", "resident"))
-    finally:
-        for engine, _, _ in engines.values():
-            engine.close()
-        engines.clear()
-        gc.collect()
-
-
-class _Turns:
-    """One engine's measured request, advanced one event at a time: the prefill's token untimed, then each
-    decode step timed (wall, CPU, machine) by its own Meter."""
-
-    def __init__(self, engine: Engine, prompt: list[int], steps: int):
-        self.engine, self.meter = engine, Meter()
-        self.stream = engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True)
-        next(self.stream)  # the prefill's token: decode starts here
-        self.before = engine.store.stats.snapshot()
-        self.finish: FinishEvent | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
-
-    def step(self) -> None:
-        if self.finished:
-            return
-        self.meter.start()
-        event = next(self.stream)
-        self.meter.stop()
-        if isinstance(event, FinishEvent):
-            self.finish = event
-
-
 def _measured_request(engine: Engine, pct: float | None, prompt: list[int], steps: int, open_s: float,
                       progress: bool, prefetch: str) -> EngineRun:
-    turns = _Turns(engine, prompt, steps)
+    meter, before, finish = Meter(), None, None
     bar = tqdm(total=steps, desc=f"engine {_label(pct)}", unit="tok", leave=False, disable=not progress)
-    while not turns.finished:
-        turns.step()
-        bar.update()
+    for event in engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True):
+        if isinstance(event, FinishEvent):
+            meter.stop()
+            finish = event
+        elif before is None:  # the prefill's token: decode starts here
+            before = engine.store.stats.snapshot()
+            meter.start()
+        else:
+            bar.update()
     bar.close()
-    return _engine_run(engine, pct, turns, open_s, prefetch)
-
-
-def _engine_run(engine: Engine, pct: float | None, turns: _Turns, open_s: float, prefetch: str) -> EngineRun:
-    before, meter, stats = turns.before, turns.meter, turns.finish.stats
-    after = engine.store.stats.snapshot()
-    n = len(turns.finish.token_ids) - 1
+    after, stats = engine.store.stats.snapshot(), finish.stats
+    n = len(finish.token_ids) - 1
     hits = after["hits"][engine.store.compute.name] - before["hits"][engine.store.compute.name]
     misses = after["misses"][engine.store.compute.name] - before["misses"][engine.store.compute.name]
-    # this engine's own steps, the last one's end of stream included (the engine's own decode_s would count the
-    # other engine's turns)
-    decode_s = meter.wall
+    decode_s = stats["decode_s"]
     read = after["bytes_read_disk"] - before["bytes_read_disk"]
     wasted = after.get("prefetch_wasted", 0) - before.get("prefetch_wasted", 0)
     busy, stall = (after.get("read_busy_s", 0.0) - before.get("read_busy_s", 0.0),
                    after["io_wait_s"] - before["io_wait_s"])
     unit = engine.store.placement.sizes["expert"].slot_bytes if "expert" in engine.store.placement.sizes else 0
     return EngineRun(
-        budget_pct=pct, tokens=list(turns.finish.token_ids), decode_steps=n, decode_s=decode_s,
+        budget_pct=pct, tokens=list(finish.token_ids), decode_steps=n, decode_s=decode_s,
         s_per_token=decode_s / n, tok_s=n / decode_s,
         bytes_read_disk_per_token=read / n, needed_bytes_per_token=max(0, read - wasted * unit) / n,
         os_read_bytes_per_token=meter.per(n), hit_rate=hits / max(hits + misses, 1),
@@ -416,16 +347,12 @@ def model_info(model: Path) -> dict[str, Any]:
             "vocab": config.get("vocab_size")}
 
 
-def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], pair: tuple[EngineRun, EngineRun],
+def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], around: tuple[float, float],
              disk_bw: float) -> Row:
-    """engine: run alone, like the peer (the speed columns and ratios); pair: the engine and the resident engine
-    decoding in turns (run_pair), for the engine against the bound under the same machine phases."""
-    paired, resident = pair
-    bound = max(resident.s_per_token, paired.needed_bytes_per_token / disk_bw)
+    compute_s = statistics.mean(around)
+    bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
     match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
-    match["resident"] = resident.tokens == paired.tokens == engine.tokens
-    return Row(pct, engine, peers, resident.s_per_token, paired.s_per_token, bound, paired.s_per_token / bound,
-               match)
+    return Row(pct, engine, peers, compute_s, around, bound, engine.s_per_token / bound, match)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -469,11 +396,15 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
             f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
             f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.engine_vs_bound:>6.2f} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
-    lines.append("/bound: the engine and the resident engine decoding in turns, ms/token: "
-                 + "; ".join(f"{r.budget_pct:g}% {r.paired_s_per_token * 1e3:.1f} / {r.resident_s_per_token * 1e3:.1f}"
-                             for r in rows)
-                 + f"; O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
+    lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
+                 f"before-after each budget {' '.join(_around(r) for r in rows)}; "
+                 f"O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
     return "\n".join(lines)
+
+
+def _around(r: Row) -> str:
+    before, after = r.resident_around
+    return f"{before * 1e3:.1f}-{after * 1e3:.1f}"
 
 
 def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
@@ -614,17 +545,20 @@ def main(argv: list[str] | None = None) -> int:
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
     rows_raw, by_mode, resident = [], {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
+        before = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                            args.prefetch[0], args.context)
+        resident = resident or before  # the first: the table's and the plot's reference
         by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                                          mode, args.context) for mode in args.prefetch}
-        pair = run_pair(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, args.prefetch[0],
-                        args.context)
-        resident = resident or pair[1]  # the first: the table's and the plot's reference
+        after = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
+                           args.prefetch[0], args.context)
+        engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
-        rows_raw.append((pct, by_mode[pct][args.prefetch[0]], peers, pair))
+        rows_raw.append((pct, engine, peers, (before.s_per_token, after.s_per_token)))
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
     disk_bw = max(statistics.median(d["bytes_per_s"] for d in disk if d["threads"] == t) for t in (1, 4))
-    rows = [make_row(pct, e, p, pair, disk_bw) for pct, e, p, pair in rows_raw]
+    rows = [make_row(pct, e, p, around, disk_bw) for pct, e, p, around in rows_raw]
 
     print(table(rows, resident, disk_bw))
     if len(args.prefetch) > 1:
