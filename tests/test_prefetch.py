@@ -101,7 +101,7 @@ def run_forwards(pay: PayCheck, clock: FakeClock, n: int, on_s: float, off_s: fl
         settings.append(on)
         clock.now += on_s if on else off_s
         pay.forward_finished()
-        clock.now += 5.0  # the caller's time between forwards (another engine's turn): never counted
+        clock.now += 5.0  # the caller's time between forwards (a slow consumer of the stream): never counted
     return settings
 
 

@@ -78,8 +78,8 @@ class PrefetchMetrics:
 
 class PayCheck:
     """Whether expert prefetching pays, by measuring single-token forwards (each from its start to its end: the
-    time between forwards is the caller's, a slow consumer of the stream or another engine's turn in a benchmark,
-    and must not count) in trials: TRIAL with it on and TRIAL with it off, in turns starting with
+    time between forwards is the caller's, a slow consumer of the stream or other work in its thread, and must
+    not count) in trials: TRIAL with it on and TRIAL with it off, in turns starting with
     on, then with off (so a drift over a trial, such as the cache warming, favours neither); the lower median
     wins and holds for `hold` forwards, doubled (up to MAX_HOLD) each time a trial repeats the verdict. On must
     beat off by MARGIN: prefetching costs reads, memory bandwidth and compute-thread time, so it must show a gain
