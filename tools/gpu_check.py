@@ -94,7 +94,7 @@ def engine_bench(out: Path, layers: int) -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint with `layers` layers, VRAM budget 12 GiB x layers / 48."""
     import transformers
 
-    from offload_engine import Budget, Engine
+    from offload_engine import Budget, Engine, PrefetchConfig
 
     cfg = json.loads((ROOT / "configs/models/Qwen3-30B-A3B.json").read_text()) \
         if (ROOT / "configs/models/Qwen3-30B-A3B.json").exists() else {
@@ -114,12 +114,21 @@ def engine_bench(out: Path, layers: int) -> dict:
         torch.cuda.empty_cache()
     vram = int(12 * 2**30 * layers / 48)
     results = {}
-    for ram in ("100%", "50%"):
-        with Engine.open(model_dir, budget=Budget(vram=vram, ram=ram), max_context=512) as engine:
+    # ram=50%: experts stream from disk; expert prefetching off / always on (router lookahead and route ahead, which
+    # should pay where compute is fast next to the link) / adaptive (the default)
+    runs = [("100%", "adaptive", PrefetchConfig())] + [("50%", mode, config) for mode, config in (
+        ("off", False), ("on", PrefetchConfig(adaptive=False)), ("adaptive", PrefetchConfig()))]
+    for ram, mode, prefetch in runs:
+        with Engine.open(model_dir, budget=Budget(vram=vram, ram=ram), max_context=512, prefetch=prefetch) as engine:
+            engine.generate(list(range(40, 48)), max_new_tokens=8, ignore_eos=True)  # warm-up
             c = engine.generate(list(range(1, 33)), max_new_tokens=32, ignore_eos=True)
-            results[f"vram={vram >> 20}MiB ram={ram}"] = {k: c.stats[k] for k in (
-                "decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_disk_per_token", "bytes_host_to_device",
-                "io_wait_s", "peak_bytes", "budget_bytes")}
+            prefetched = c.stats["prefetch"]
+            results[f"vram={vram >> 20}MiB ram={ram} prefetch={mode}"] = {
+                **{k: c.stats[k] for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_disk_per_token",
+                                           "bytes_host_to_device", "io_wait_s", "expert_reads", "peak_bytes",
+                                           "budget_bytes")},
+                "route_ahead": prefetched.get("route_ahead"), "recall_effective": prefetched.get("recall_effective"),
+                "pay_check_verdicts": prefetched.get("pay_check_verdicts")}
     return results
 
 
