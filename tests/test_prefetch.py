@@ -331,3 +331,19 @@ def test_a_routing_trace_that_cannot_be_used_is_reported(reference, tmp_path, ca
         with caplog.at_level("WARNING", logger="offload_engine"):
             Engine.open(path, max_context=32, trace=str(trace), **kw).close()
         assert any(str(trace) in r.getMessage() and why in r.getMessage() for r in caplog.records), why
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next"])
+def test_route_ahead_is_lossless_on_every_moe_family(checkpoint_factory, arch):
+    """Shared experts (computed early, in the wait, and added once), dense first layers (never predicted),
+    sigmoid-scored group routing and hybrid linear attention: route ahead changes no token."""
+    path = checkpoint_factory(arch, "offload")
+    with Engine.open(path, max_context=64) as engine:
+        expected = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids
+    config = PrefetchConfig(adaptive=False, reads=0, route_ahead=2)
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=64, prefetch=config, direct_io="off",
+                     read_fn=SlowReads(0.003)) as engine:
+        completion = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    assert completion.token_ids == expected
+    assert completion.stats["expert_reads"]["demand"] > 0  # experts streamed: layers waited
+    assert completion.stats["prefetch"]["route_ahead"]["precision"] > 0  # and predicted in their waits
