@@ -119,3 +119,23 @@ def test_process_memory_stays_within_ram_budget(checkpoint_factory):
     assert run["maxrss"] <= baseline + budget + OVERHEAD, (run["maxrss"], baseline, budget)
     full = cli_rss(big)  # the same model fully resident really needs its bytes: the check above means something
     assert full["maxrss"] > baseline + 0.6 * model_bytes
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(draft_pct=st.integers(5, 100))
+def test_draft_model_store_peak_within_its_own_budget(checkpoint_factory, draft_pct):
+    """The draft model of `--spec draft` is a second engine with a budget of its own: its ledger holds to it
+    too, whatever the budget (or refuses it before allocating), and so does the target's beside it."""
+    path = checkpoint_factory("qwen3_moe", "offload")
+    try:
+        engine = Engine.open(path, budget=Budget(ram="25%"), max_context=64, spec="draft", draft_model=path,
+                             draft_budget=Budget(ram=f"{draft_pct}%"), spec_depth=2, spec_width=1)
+    except BudgetError:
+        return  # refused at plan time, before allocating
+    with engine:
+        engine.generate([1, 2, 3, 4], max_new_tokens=6, ignore_eos=True)
+        for store in (engine.store, engine.draft.store):
+            budgets, peak = store.ledger.budgets(), store.ledger.peak()
+            for tier, budget in budgets.items():
+                if budget is not None:
+                    assert peak.get(tier, 0) <= budget, (tier, peak, budgets)
