@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.model import ModelCheckpoint, open_model
 from .config import Budget, resolve_device, resolve_dtype
-from .interrupts import finish_despite_interrupts
+from .interrupts import finish_despite_interrupts, sigint_guarded
 from .errors import ConfigError, EngineBusyError, EngineClosedError, PlanError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
 from .planner.placement import Placement
@@ -71,6 +71,7 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @classmethod
+    @sigint_guarded()  # a Ctrl-C while it loads never strands a lock the cleanup needs (interrupts.py)
     def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
              direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
@@ -142,7 +143,7 @@ class Engine:
             for stream in list(self._streams):
                 if stream.gi_frame is not None and not stream.gi_running:
                     stream.close()  # its `finally` releases the lock
-        with self._lock:
+        with sigint_guarded(), self._lock:
             if not self._closed:
                 self._closed = True
                 self._finalizer.detach()  # closed here, by a rerunnable call (the finalizer runs once)
@@ -224,7 +225,8 @@ class Engine:
             events = drive(stepper, ids, GenerationState(params, self.tokenizer))
             decoding = None  # the store's counters when the prefill's token came out
             while True:
-                with out_of_memory_as_error("request"):  # the MTP / draft forwards too: this request fails only
+                # out of memory in the MTP / draft forwards too: only this request fails
+                with sigint_guarded(), out_of_memory_as_error("request"):
                     event = next(events, None)
                 if event is None:
                     break
@@ -249,7 +251,7 @@ class Engine:
         ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long)
         if ids.numel() == 0:
             raise ConfigError("logits(): token_ids is empty")
-        with self._request(), out_of_memory_as_error("logits"):
+        with sigint_guarded(), self._request(), out_of_memory_as_error("logits"):
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
     def stats(self, finish: FinishEvent, before: dict | None = None, decoding: dict | None = None

@@ -11,6 +11,7 @@ import sys
 from typing import Any, Sequence
 
 from .errors import OffloadEngineError
+from .interrupts import SafeInterrupts
 from .planner.commands import add_plan_parser, add_probe_parser
 from .units import format_bytes
 
@@ -275,30 +276,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sigint_raises():
-    """For the duration of a command, SIGINT (Ctrl-C) raises KeyboardInterrupt in the main thread, even when the
-    process started with SIGINT ignored (a background job of a non-interactive shell, some CI runners): the
-    engine then unwinds (reader threads joined, descriptors closed) and main returns 130. Returns a function that
-    restores the previous handler. Only the main thread can install handlers; elsewhere this does nothing."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    return lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status. Run as the program (argv None: the console script,
     `python -m offload_engine.cli`), Ctrl-C ends the process right after the engine has closed (reader threads
     joined, descriptors closed), with status 130: the interpreter's own teardown of torch can take seconds."""
-    restore = args = None
+    guard = args = None
     try:
-        restore = _sigint_raises()
-        args = build_parser().parse_args(argv)
-        return args.func(args)
+        try:
+            guard = SafeInterrupts()  # Ctrl-C raises KeyboardInterrupt, never inside the stdlib's lock handling
+            args = build_parser().parse_args(argv)
+            return args.func(args)
+        finally:
+            if guard is not None:
+                guard.restore()  # raises an interrupt still pending, caught below
     except KeyboardInterrupt:  # the engine was closed on the way out (its `with` block)
         try:
             sys.stdout.flush()
@@ -316,9 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    finally:
-        if restore is not None:
-            restore()
 
 
 if __name__ == "__main__":

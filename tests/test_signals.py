@@ -33,7 +33,7 @@ EXIT_S = 2.0
 ROOT = Path(__file__).resolve().parents[1]
 
 WRAPPER = r'''
-import json, os, random, signal, sys, threading, time
+import faulthandler, json, os, random, signal, sys, threading, time
 
 from offload_engine import api
 from offload_engine.cli import main
@@ -72,6 +72,8 @@ api.Engine.open = classmethod(open_and_mark)
 
 def child(argv, report, workdir, ready_w):
     os.chdir(workdir)
+    # a hung trial gets SIGUSR1 before SIGKILL: every thread's stack goes to the report's .stack file
+    faulthandler.register(signal.SIGUSR1, file=open(report + ".stack", "w"), all_threads=True)
     escaped, main_done = False, None
     os.write(ready_w, b"1")  # the test's clock starts: from here on the signal is the CLI's to handle
     try:
@@ -132,9 +134,16 @@ def trial(argv, delay, workdir, report):
                 break
             time.sleep(0.002)
         if not done:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return {"hung": True, "killed_at": killed_at}
+            try:
+                with open(report + ".stack") as f:
+                    stack = f.read()[-6000:]
+            except OSError:
+                stack = None
+            return {"hung": True, "killed_at": killed_at, "stack": stack}
     ended = time.monotonic()
     out = {"hung": False, "start": start, "killed_at": killed_at, "ended": ended,
            "status": os.waitstatus_to_exitcode(status), "pid": pid,
@@ -224,7 +233,7 @@ def test_sigint_at_random_moments_exits_130_within_2s(medium, wrapper, tmp_path,
     failures, phases = [], {"load": 0, "generation": 0, "finished_first": 0}
     for t in trials:
         if t.get("hung"):
-            failures.append(("hung", t))
+            failures.append(("hung", {k: t.get(k) for k in ("i", "delay", "aimed")}, t.get("stack")))
             continue
         if t["killed_at"] is None or (t.get("main_done") and t["killed_at"] >= t["main_done"]):
             phases["finished_first"] += 1  # the run was over before the signal: not a trial of SIGINT
@@ -234,15 +243,16 @@ def test_sigint_at_random_moments_exits_130_within_2s(medium, wrapper, tmp_path,
         phases[phase] += 1
         exit_s = t["ended"] - t["killed_at"]
         if t["status"] != 130 or t["escaped"] or exit_s > EXIT_S or t["threads"] or not t["proc_gone"]:
-            failures.append((phase, {k: t.get(k) for k in ("status", "escaped", "threads", "proc_gone")},
-                             round(exit_s, 3)))
+            failures.append((phase, {k: t.get(k) for k in ("status", "escaped", "threads", "proc_gone")}
+                             | {"exit_s": round(exit_s, 3)}, None))
     left = listing(medium) - before
-    left |= {p for p in listing(work) if not p.endswith(".json")}
+    left |= {p for p in listing(work) if not p.endswith((".json", ".stack"))}
     write_line(request, f"sigint (forked CLI): {phases['load']} during load, {phases['generation']} during "
                         f"generation, {phases['finished_first']} finished first, {len(failures)} failures; "
                         f"calibration: load {calib['open_done'] - calib['start']:.2f}s of "
                         f"{calib['ended'] - calib['start']:.2f}s")
-    assert not failures, failures[:5]
+    assert not failures, "\n".join(f"{kind}: {info}" + (f"\n{stack}" if stack else "")
+                                    for kind, info, stack in failures[:5])
     assert not left, f"files left behind: {sorted(left)[:10]}"
     assert phases["load"] >= TRIALS // 4 and phases["generation"] >= TRIALS // 4, phases
 
