@@ -31,7 +31,7 @@ MAX_RERUNS = 8  # a user pressing Ctrl-C repeatedly still gets out
 # modules whose frames may hold a lock taken in Python code (or take one next): an interrupt waits until the
 # main thread is out of them. Matched on the module's top-level package (`concurrent` is concurrent.futures).
 _LOCK_HANDLING = frozenset({"threading", "queue", "concurrent", "logging", "tqdm", "multiprocessing", "importlib",
-                            "_frozen_importlib", "weakref", "_weakrefset"})
+                            "_frozen_importlib"})
 
 
 def finish_despite_interrupts(close: Callable[[], object]) -> None:

@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import pytest
@@ -44,6 +45,22 @@ def cycle(q: queue.Queue, event: threading.Event, fut: Future) -> None:
     wait([fut], timeout=0.1, return_when=FIRST_COMPLETED)
 
 
+def interrupt_once(delay: float) -> threading.Thread:
+    """A thread that interrupts the main thread `delay` s after this returns (never while it is still starting
+    the thread: an interrupt stranding the thread's own start-up lock would hang the test itself)."""
+    go = threading.Event()
+
+    def fire() -> None:
+        go.wait()
+        time.sleep(delay)
+        _thread.interrupt_main()
+
+    thread = threading.Thread(target=fire)
+    thread.start()
+    go.set()
+    return thread
+
+
 def stranded_locks(guarded: bool, trials: int = TRIALS) -> tuple[int, int]:
     """(interrupts delivered, trials that left a lock held) while the main thread loops over `cycle`."""
     delivered = stranded = 0
@@ -53,10 +70,9 @@ def stranded_locks(guarded: bool, trials: int = TRIALS) -> tuple[int, int]:
             q, event, fut = queue.PriorityQueue(), threading.Event(), Future()
             fut.set_result(None)
             guard = SafeInterrupts() if guarded else None
-            timer = threading.Timer(0.001 + (trial % 9) * 0.0002, _thread.interrupt_main)
+            interrupter = interrupt_once(0.001 + (trial % 9) * 0.0002)
             try:
                 try:
-                    timer.start()
                     while True:
                         cycle(q, event, fut)
                 finally:
@@ -64,7 +80,7 @@ def stranded_locks(guarded: bool, trials: int = TRIALS) -> tuple[int, int]:
                         guard.restore()
             except KeyboardInterrupt:
                 delivered += 1
-            timer.join()
+            interrupter.join()
             if not (free(q.mutex) and free(event._cond._lock) and free(fut._condition)):
                 stranded += 1
     finally:
@@ -82,20 +98,13 @@ def test_safe_interrupts_never_strand_a_stdlib_lock(request):
     assert plain_stranded > 0  # the loop does hit the window: the guarded result above means something
 
 
-def interrupt_soon() -> threading.Timer:
-    """An interrupt in 50 ms, from another thread (the main thread is then waiting inside threading's code)."""
-    timer = threading.Timer(0.05, _thread.interrupt_main)
-    timer.start()
-    return timer
-
-
 @main_only
 def test_restore_raises_a_pending_interrupt_and_puts_everything_back():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         guard = SafeInterrupts()
         assert signal.getsignal(signal.SIGINT) != signal.default_int_handler
-        timer = interrupt_soon()
+        interrupter = interrupt_once(0.05)  # the main thread is then waiting inside threading's code
         threading.Event().wait(0.3)  # handled inside threading's frames: deferred
         pending = sys.getprofile() is not None  # (C calls from here: nothing lands on them)
         raised = False
@@ -103,7 +112,7 @@ def test_restore_raises_a_pending_interrupt_and_puts_everything_back():
             guard.restore()  # the first Python call: this module's own, which raises it after restoring
         except KeyboardInterrupt:
             raised = True
-        timer.join()
+        interrupter.join()
         assert pending and raised
         assert sys.getprofile() is None
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -121,7 +130,7 @@ def test_a_deferred_interrupt_lands_at_the_first_python_call_outside_lock_handli
 
     try:
         guard = SafeInterrupts()
-        timer = interrupt_soon()
+        interrupter = interrupt_once(0.05)  # the main thread is then waiting inside threading's code
         try:
             threading.Event().wait(0.3)  # deferred: the interrupt arrives inside the wait
             reached.append("C calls do not take it")
@@ -130,7 +139,7 @@ def test_a_deferred_interrupt_lands_at_the_first_python_call_outside_lock_handli
             pass
         finally:
             guard.restore()  # nothing pending any more: no raise
-        timer.join()
+        interrupter.join()
         assert reached == ["C calls do not take it"]
         assert sys.getprofile() is None
     finally:
