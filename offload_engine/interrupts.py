@@ -77,6 +77,8 @@ class SafeInterrupts:
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if not in_lock_handling(frame):
+            if self._pending:  # a second Ctrl-C lands first: one KeyboardInterrupt for both
+                self._stop_pending()
             raise KeyboardInterrupt
         if not self._pending:  # deliver at the main thread's next call from outside lock handling
             self._pending = True

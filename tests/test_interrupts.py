@@ -147,6 +147,33 @@ def test_a_deferred_interrupt_lands_at_the_first_python_call_outside_lock_handli
 
 
 @main_only
+def test_a_second_interrupt_while_one_is_pending_makes_one_keyboard_interrupt():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    calls = []
+
+    def call() -> None:
+        calls.append(len(calls))
+
+    try:
+        guard = SafeInterrupts()
+        interrupter = interrupt_once(0.05)
+        threading.Event().wait(0.3)  # the first: deferred
+        pending = sys.getprofile() is not None
+        raised = 0
+        try:
+            _thread.interrupt_main()  # the second, while the first is pending
+            call()
+        except KeyboardInterrupt:
+            raised += 1
+        call()  # nothing left pending
+        guard.restore()
+        interrupter.join()
+        assert pending and raised == 1 and calls == [0] and sys.getprofile() is None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@main_only
 def test_sigint_guarded_installs_only_over_python_default_handling():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
