@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
     run.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
-                     help="expert guesses read per token at each layer (default 1; more pays only with spare disk "
-                          "bandwidth)")
+                     help="lookahead guesses read per token at each layer, in forwards that do not route ahead "
+                          "(default 1; more pays only with spare disk bandwidth)")
     run.add_argument("--route-ahead", type=int, default=1, metavar="N",
                      help="MoE layers whose routing a layer waiting for expert reads predicts, to read their experts "
                           "early (default 1; 0: off; part of expert prefetching, which --prefetch adaptive "

@@ -11,7 +11,7 @@ import torch
 
 from offload_engine import Budget, Engine, PrefetchConfig
 from offload_engine.prefetch.predictor import Combined, FrequencyPrior
-from offload_engine.prefetch.prefetcher import PayCheck
+from offload_engine.prefetch.prefetcher import ROUTE_AHEAD_TOKENS, PayCheck
 from offload_engine.checkpoint.naming import UnitKey
 from offload_engine.errors import ConfigError
 from offload_engine.store.disk import read_range
@@ -41,7 +41,7 @@ def reference(checkpoint_factory):
 @pytest.mark.parametrize("ram,vram", [("25%", None), ("10%", None), ("40%", "10%")])
 def test_prefetch_depths_and_delays_match_resident(reference, depth, ram, vram):
     path, expected = reference
-    config = PrefetchConfig(depth=depth, adaptive=False)
+    config = PrefetchConfig(depth=depth, adaptive=False, route_ahead=0)  # the lookahead reads in decode too
     with Engine.open(path, budget=Budget(ram=ram, vram=vram), max_context=64, prefetch=config,
                      direct_io="off", read_fn=RandomDelays(depth)) as engine:
         completion = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
@@ -49,6 +49,27 @@ def test_prefetch_depths_and_delays_match_resident(reference, depth, ram, vram):
     stats = completion.stats
     assert stats["prefetch"]["enabled"] and stats["prefetch_issued"] > 0
     assert 0.0 <= stats["prefetch"]["recall"] <= 1.0
+
+
+@pytest.mark.parametrize("route_ahead", [0, 1])
+def test_the_lookahead_predicts_only_in_forwards_that_do_not_route_ahead(reference, route_ahead):
+    """Decode forwards route ahead (a far better predictor of the experts that miss): the router lookahead then
+    predicts and reads nothing; a prefill of more than ROUTE_AHEAD_TOKENS tokens still uses it."""
+    path, _ = reference
+    prompt = PROMPT * 2  # 20 tokens
+    config = PrefetchConfig(adaptive=False, route_ahead=route_ahead)
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=64, prefetch=config, direct_io="off") as engine:
+        prefetcher = engine.model.prefetcher
+        tokens_seen, predict = [], prefetcher.predictor.predict
+
+        def spy(layer, x, horizon):
+            tokens_seen.append(x.shape[0])
+            return predict(layer, x, horizon)
+
+        prefetcher.predictor.predict = spy
+        engine.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    assert len(prompt) > ROUTE_AHEAD_TOKENS and len(prompt) in tokens_seen  # the prefill
+    assert (1 in tokens_seen) == (route_ahead == 0)
 
 
 def test_prefetch_off_matches(reference):

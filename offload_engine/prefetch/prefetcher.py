@@ -164,7 +164,11 @@ class Prefetcher:
             ahead = [UnitKey(l, "dense") for l in range(layer + 1, min(layer + 2 + self.config.depth,
                                                                        self.num_layers))]
             self.store.prefetch(ahead)
-        if not self.expert_prefetch:
+        if not self.expert_prefetch or self.routes_ahead(x.shape[0]):
+            # a forward that routes ahead reads the experts that predictor names instead: on the experts that
+            # miss (those the previous token did not use) the lookahead's precision was 22% against route
+            # ahead's 84%, and its reads doubled the bytes read per token (bench model, 25%: 27 -> 59 MB, 66 ->
+            # 75 ms/token, same prompts; route ahead alone 66 ms). It still reads ahead for larger forwards.
             return
         prediction = [(k, p) for k, p in self.predictor.predict(layer, x, self.config.depth)
                       if p >= self.config.min_prob]
@@ -179,11 +183,12 @@ class Prefetcher:
 
     def routes_ahead(self, tokens: int) -> int:
         """How many next layers' routing a forward of `tokens` tokens predicts while a layer waits for reads
-        (CausalLM._route_ahead). Part of expert prefetching, so the pay check switches it with the lookahead: it
-        runs in time the compute thread would wait anyway and its reads are mostly right (77% used on the bench
-        model at 25%), but each read still evicts a cached expert and takes the disk from demand reads. On this
-        project's CPU VM it did not pay (25%, six alternating runs: 60.1 -> 63.6 ms/token, +3.3 MB read per
-        token); where compute is fast next to the disk, every layer waits and the earlier reads should."""
+        (CausalLM._route_ahead); such a forward reads no lookahead guesses (after_attention). Part of expert
+        prefetching, so the pay check switches it: it runs in time the compute thread would wait anyway and its
+        reads are mostly right (77% used on the bench model at 25%), but each read still evicts a cached expert
+        and takes the disk from demand reads. On this project's CPU VM it about broke even (25%, same prompts,
+        six alternating runs: 66.4 -> 66.3 ms/token, +1.8 MB read per token); where compute is fast next to the
+        disk, every layer waits and the earlier reads should pay."""
         on = self.config.enabled and self.expert_prefetch and tokens <= ROUTE_AHEAD_TOKENS
         return self.config.route_ahead if on else 0
 
