@@ -93,3 +93,15 @@ def test_plots_from_rows(tmp_path):
     plot_bytes(rows, nbytes)
     assert speed.stat().st_size > 0 and nbytes.stat().st_size > 0
     plot_bytes([Row(25, engine(25, 3.0), {}, 0.05, (0.05, 0.05), 0.1, 2.0, {})], nbytes)  # engine only
+
+
+def test_prefetch_modes_are_compared(tmp_path):
+    """With several --prefetch modes, a second table compares each with off (the route-ahead columns included)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--no-progress", "--no-peer",
+                           "--prefetch", "on,off", "--work-dir", str(tmp_path), "--json", str(tmp_path / "b.json")],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = next(line for line in proc.stdout.splitlines() if "pay-check verdicts" in line)
+    assert "ahead" in header and "RA" in header
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] in (["on"], ["off"])]
+    assert {(r[0], r[1]) for r in rows} == {("100", "on"), ("100", "off"), ("25", "on"), ("25", "off")}

@@ -15,7 +15,8 @@ as much as the bound's margin, and one side of the engine's run alone would lean
 
 --prefetch MODES: the engine's expert prefetch, off / on (always) / adaptive (its pay check decides, the
 default of Engine.open). The first mode is the engine of the main table; with several, every budget runs each
-mode and a second table compares them with off (stall, tok/s, recall, precision, wasted reads, I/O overlap).
+mode and a second table compares them with off (stall, tok/s, share of expert reads made ahead, route ahead's
+precision, wasted reads, I/O overlap).
 """
 from __future__ import annotations
 
@@ -410,8 +411,9 @@ def _around(r: Row) -> str:
 def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
     """Per budget and prefetch mode, against the same budget's prefetch-off run."""
     lines = [f"{'budget':>7} {'prefetch':>9} {'tok/s':>7} {'vs off':>6} {'stall':>7} {'off/this':>8} {'MB/tok':>7} "
-             f"{'wasted':>7} {'recall':>6} {'prec.':>6} {'overlap':>7}  pay-check verdicts",
-             f"{'% model':>7} {'':>9} {'':>7} {'':>6} {'ms/tok':>7} {'stall':>8} {'read':>7} {'MB/tok':>7}"]
+             f"{'wasted':>7} {'ahead':>6} {'RA':>6} {'overlap':>7}  pay-check verdicts",
+             f"{'% model':>7} {'':>9} {'':>7} {'':>6} {'ms/tok':>7} {'stall':>8} {'read':>7} {'MB/tok':>7} "
+             f"{'reads':>6} {'prec.':>6}"]
     for pct, modes in runs.items():
         off = modes.get("off")
         for mode, r in modes.items():
@@ -421,7 +423,8 @@ def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
                 f"{1e3 * r.stall_s_per_token:>7.1f} "
                 f"{_fmt(off and r.stall_s_per_token and off.stall_s_per_token / r.stall_s_per_token, '8.2f'):>8} "
                 f"{r.bytes_read_disk_per_token / MB:>7.1f} {r.wasted_bytes_per_token / MB:>7.1f} "
-                f"{_fmt(p.get('recall'), '6.2f'):>6} {_fmt(p.get('precision'), '6.2f'):>6} {r.io_overlap:>7.2f}  "
+                f"{_fmt(p.get('recall_effective'), '6.2f'):>6} "
+                f"{_fmt((p.get('route_ahead') or {}).get('precision'), '6.2f'):>6} {r.io_overlap:>7.2f}  "
                 f"{','.join('on' if v else 'off' for v in (p.get('pay_check_verdicts') or [])) or '-'}")
     return "\n".join(lines)
 
