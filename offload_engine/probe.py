@@ -20,6 +20,8 @@ from typing import Any
 import psutil
 import torch
 
+from .interrupts import deliver_pending
+
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size (4 KiB covers it)
 
@@ -103,7 +105,9 @@ def _timed_parallel_read(fd: int, nbytes: int, block: int, threads: int) -> tupl
     for t in pool:
         t.start()
     for t in pool:
-        t.join()
+        while t.is_alive():  # bounded waits, so that a Ctrl-C deferred inside threading's code lands promptly
+            t.join(0.1)
+            deliver_pending()
     seconds = time.perf_counter() - start
     if errors:
         raise errors[0]

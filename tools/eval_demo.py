@@ -274,7 +274,8 @@ def prefetch_budgets(path: Path, budget: str, context: int) -> list[str]:
 
 
 def prefetch_recall(path: Path, prompts: list[list[int]], budget: str, context: int) -> dict[str, Any]:
-    config = PrefetchConfig(adaptive=False)  # keep predicting: every decode step is scored
+    # keep predicting: every decode step is scored (route ahead off: forwards that route ahead skip these predictors)
+    config = PrefetchConfig(adaptive=False, route_ahead=0)
     out: dict[str, Any] = {"budget": budget, "adaptive": False, "prompts": len(prompts)}
     for which in ("lookahead", "prior", "combined"):
         with Engine.open(path, budget=Budget(ram=budget), max_context=context, prefetch=config) as engine:

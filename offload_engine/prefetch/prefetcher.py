@@ -218,8 +218,9 @@ class Prefetcher:
     def summary(self) -> dict:
         metrics = self.metrics.summary()
         on_share = self._forwards[1] / self._forwards[0] if self._forwards[0] else 0.0
-        # recall / precision score the forwards that predicted (over routed experts, resident ones included); the
-        # share of expert reads made ahead (the planner's recall) is the store's expert_reads (Engine stats)
+        # recall / precision score the lookahead in the forwards that ran it (those that do not route ahead: 0.0
+        # after a request of short forwards only), over routed experts, resident ones included; the share of
+        # expert reads made ahead (the planner's recall) is the store's expert_reads (Engine stats)
         return {"enabled": self.config.enabled, "expert_prefetch_active": self.expert_prefetch,
                 "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
                 "forwards_with_expert_prefetch": on_share, **metrics,
