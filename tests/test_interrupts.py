@@ -74,36 +74,40 @@ class Interrupter:
         assert self.fired.wait(10), "the interrupter never fired"
 
 
+@pytest.fixture
+def default_handling():
+    """Python's default SIGINT handling for the test (SIGINT may be ignored where the suite runs)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def stranded_locks(guarded: bool, trials: int = TRIALS) -> tuple[int, int]:
     """(interrupts delivered, trials that left a lock held) while the main thread loops over `cycle`."""
     delivered = stranded = 0
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        for trial in range(trials):
-            q, event, fut = queue.PriorityQueue(), threading.Event(), Future()
-            fut.set_result(None)
-            guard = SafeInterrupts() if guarded else None
-            interrupter = Interrupter(0.001 + (trial % 9) * 0.0002)
+    for trial in range(trials):
+        q, event, fut = queue.PriorityQueue(), threading.Event(), Future()
+        fut.set_result(None)
+        guard = SafeInterrupts() if guarded else None
+        interrupter = Interrupter(0.001 + (trial % 9) * 0.0002)
+        try:
             try:
-                try:
-                    deadline = time.monotonic() + 10  # a lost interrupt fails the count, never hangs the test
-                    while time.monotonic() < deadline:
-                        cycle(q, event, fut)
-                finally:
-                    if guard is not None:
-                        guard.restore()
-            except KeyboardInterrupt:
-                delivered += 1
-            interrupter.thread.join()
-            if not (free(q.mutex) and free(event._cond._lock) and free(fut._condition)):
-                stranded += 1
-    finally:
-        signal.signal(signal.SIGINT, previous)
+                deadline = time.monotonic() + 10  # a lost interrupt fails the count, never hangs the test
+                while time.monotonic() < deadline:
+                    cycle(q, event, fut)
+            finally:
+                if guard is not None:
+                    guard.restore()
+        except KeyboardInterrupt:
+            delivered += 1
+        interrupter.thread.join()
+        if not (free(q.mutex) and free(event._cond._lock) and free(fut._condition)):
+            stranded += 1
     return delivered, stranded
 
 
 @main_only
-def test_safe_interrupts_never_strand_a_stdlib_lock(request):
+def test_safe_interrupts_never_strand_a_stdlib_lock(request, default_handling):
     delivered, stranded = stranded_locks(guarded=True)
     plain_delivered = plain_stranded = 0
     for _ in range(3):  # the loop does hit the window (37 of 200 here): the guarded result means something
@@ -115,14 +119,6 @@ def test_safe_interrupts_never_strand_a_stdlib_lock(request):
                         f"SafeInterrupts, {plain_stranded}/{plain_delivered} with Python's default handler")
     assert delivered == TRIALS and stranded == 0
     assert plain_stranded > 0
-
-
-@pytest.fixture
-def default_handling():
-    """Python's default SIGINT handling for the test (SIGINT may be ignored where the suite runs)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def deferred(guard: SafeInterrupts) -> bool:
@@ -270,21 +266,17 @@ def test_finalizers_count_as_lock_handling():
 
 
 @main_only
-def test_sigint_guarded_installs_only_over_python_default_handling():
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with sigint_guarded():
-            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+def test_sigint_guarded_installs_only_over_python_default_handling(default_handling):
+    with sigint_guarded():
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
-        def own(signum, frame):
-            raise KeyboardInterrupt
+    def own(signum, frame):
+        raise KeyboardInterrupt
 
-        signal.signal(signal.SIGINT, own)
-        with sigint_guarded():  # the caller's own handler is left alone
-            assert signal.getsignal(signal.SIGINT) is own
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGINT, own)  # (the fixture puts the previous handler back)
+    with sigint_guarded():  # the caller's own handler is left alone
+        assert signal.getsignal(signal.SIGINT) is own
 
 
 def test_lock_handling_is_found_anywhere_on_the_stack():
