@@ -34,7 +34,7 @@ def test_json_has_the_figures(result):
             "targets"} <= set(result)
     assert {"nproc", "cpu_model"} <= set(result["machine"])
     assert {"torch", "transformers", "accelerate"} <= set(result["versions"])
-    assert result["probe"]["disk_bandwidth_for_bound"] > 0
+    assert result["probe"]["disk_bandwidth_start_end"] > 0
     assert all(d["method"] for d in result["probe"]["disk"])
     assert [r["budget_pct"] for r in result["rows"]] == [100, 25]
     for row in result["rows"]:
@@ -43,7 +43,9 @@ def test_json_has_the_figures(result):
         for peer in row["peers"].values():
             assert PEER_KEYS <= set(peer)
         assert row["bound_s_per_token"] > 0 and row["engine_vs_bound"] > 0
+        assert row["disk_bw"] > 0 and len(row["disk_around"]) == 2  # the row's own O_DIRECT samples
     below = result["rows"][1]["engine"]
+    assert below["read_bytes_per_busy_s"] > 0
     assert below["direct_io"] and below["bytes_read_disk_per_token"] > 0  # 25%: really streamed, page cache bypassed
     assert below["peak_bytes"]["host"] <= below["budget_bytes"]["host"]
     assert set(result["targets"]) >= {"engine_vs_peer_bypass", "engine_vs_peer_page_cache", "engine_vs_physical_bound"}
@@ -85,14 +87,14 @@ def test_plots_from_rows(tmp_path):
         return PeerRun(pct, mode, [1], 4, 8.0, 2.0, 0.5, 5e6 if mode == "bypass" else 0.0, 1.0, 0.0, 9e6, 1e6, 1.0)
 
     rows = [Row(p, engine(p, t), {m: peer(p, m) for m in ("bypass", "allow")} if p < 100 else {}, 0.05,
-                (0.05, 0.05), 0.1, 2.0, {})
+                (0.05, 0.05), 2e9, (2e9, 2e9), 0.1, 2.0, {})
             for p, t in ((100, 8.0), (25, 3.0))]
     speed, nbytes = plot_paths("", str(tmp_path / "bench.json"))
     assert (speed.name, nbytes.name) == ("bench-tok_s.png", "bench-bytes.png")
     plot_speed(rows, engine(None, 9.0), speed)
     plot_bytes(rows, nbytes)
     assert speed.stat().st_size > 0 and nbytes.stat().st_size > 0
-    plot_bytes([Row(25, engine(25, 3.0), {}, 0.05, (0.05, 0.05), 0.1, 2.0, {})], nbytes)  # engine only
+    plot_bytes([Row(25, engine(25, 3.0), {}, 0.05, (0.05, 0.05), 2e9, (2e9, 2e9), 0.1, 2.0, {})], nbytes)  # engine only
 
 
 def test_prefetch_modes_are_compared(tmp_path):

@@ -78,6 +78,8 @@ class EngineRun:
     prefetch_mode: str = "adaptive"
     wasted_bytes_per_token: float = 0.0  # prefetched and evicted unused
     io_overlap: float = 1.0  # share of the readers' busy time the compute thread did not wait through
+    read_bytes_per_busy_s: float | None = None  # bytes read / time the readers had a read in flight, decode only:
+    # what the disk delivered to the engine during this run (None: nothing read)
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Row:
     peers: dict[str, PeerRun]
     resident_s_per_token: float  # the mean of the runs right before and right after this budget's engine runs
     resident_around: tuple[float, float]  # those two runs' s/token
+    disk_bw: float  # O_DIRECT bytes/s the bound uses: sampled right before and right after this budget's runs
+    disk_around: tuple[float, float]  # those two samples (the faster of the probe's two read patterns each)
     bound_s_per_token: float
     engine_vs_bound: float
     tokens_match: dict[str, bool]
@@ -202,7 +206,8 @@ def _measured_request(engine: Engine, pct: float | None, prompt: list[int], step
         open_s=open_s, prefetch=stats.get("prefetch") or {},
         bytes_host_to_device_per_token=(after["bytes_host_to_device"] - before["bytes_host_to_device"]) / n,
         prefetch_mode=prefetch, wasted_bytes_per_token=wasted * unit / n,
-        io_overlap=max(0.0, 1.0 - stall / busy) if busy > 0 else 1.0)
+        io_overlap=max(0.0, 1.0 - stall / busy) if busy > 0 else 1.0,
+        read_bytes_per_busy_s=read / busy if busy > 0 and read else None)
 
 
 # ---- the peer: transformers + accelerate disk offload -------------------------------------------------------
@@ -348,12 +353,23 @@ def model_info(model: Path) -> dict[str, Any]:
             "vocab": config.get("vocab_size")}
 
 
+def disk_bandwidth(samples: list[dict]) -> float:
+    """The bound's O_DIRECT bandwidth from probe_disk samples: per read pattern (one thread of 8 MiB blocks,
+    four of the unit size) the median, then the faster pattern."""
+    return max(statistics.median(d["bytes_per_s"] for d in samples if d["threads"] == t)
+               for t in {d["threads"] for d in samples})
+
+
 def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], around: tuple[float, float],
-             disk_bw: float) -> Row:
+             disk_around: tuple[list[dict], list[dict]]) -> Row:
+    """The bound uses the resident compute time and the disk bandwidth measured around this budget's engine
+    runs: this VM's disk delivered 0.6-2.4 GB/s in phases of minutes, and its CPU drifts too."""
     compute_s = statistics.mean(around)
+    disk_bw = disk_bandwidth(disk_around[0] + disk_around[1])
     bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
     match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
-    return Row(pct, engine, peers, compute_s, around, bound, engine.s_per_token / bound, match)
+    return Row(pct, engine, peers, compute_s, around, disk_bw, (disk_bandwidth(disk_around[0]),
+               disk_bandwidth(disk_around[1])), bound, engine.s_per_token / bound, match)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -379,13 +395,15 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
-    """One line per budget. 'pc': accelerate with the page cache allowed; 'others': the most cores other processes
-    used during any of the row's measured decodes (a shared machine's noise)."""
+def table(rows: list[Row], resident: EngineRun) -> str:
+    """One line per budget. 'pc': accelerate with the page cache allowed; 'disk': the O_DIRECT bandwidth of the
+    row's bound (probed around its engine runs), 'read': what the engine's reads got while any was in flight;
+    'others': the most cores other processes used during any of the row's measured decodes (a shared machine's
+    noise)."""
     lines = [f"{'budget':>7} {'engine':>7} {'peer':>7} {'ratio':>6} {'peer pc':>7} {'ratio':>6} {'MB/tok':>7} "
-             f"{'hits':>5} {'stall':>7} {'/bound':>6} {'others':>6}  tokens",
+             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'others':>6}  tokens",
              f"{'% model':>7} {'tok/s':>7} {'bypass':>7} {'':>6} {'tok/s':>7} {'':>6} {'engine':>7} "
-             f"{'%':>5} {'ms/tok':>7} {'':>6} {'cores':>6}"]
+             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'cores':>6}"]
     for r in rows:
         by, pc = r.peers.get("bypass"), r.peers.get("allow")
         ok = all(r.tokens_match.values()) if r.tokens_match else None
@@ -395,11 +413,13 @@ def table(rows: list[Row], resident: EngineRun, disk_bw: float) -> str:
             f"{_fmt(r.ratio('bypass'), '6.1f'):>6} {_fmt(pc and pc.tok_s, '7.2f'):>7} "
             f"{_fmt(r.ratio('allow'), '6.2f'):>6} "
             f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
-            f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.engine_vs_bound:>6.2f} {others:>6.2f}  "
+            f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.disk_bw / 1e9:>5.2f} "
+            f"{_fmt(r.engine.read_bytes_per_busy_s and r.engine.read_bytes_per_busy_s / 1e9, '5.2f'):>5} "
+            f"{r.engine_vs_bound:>6.2f} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
     lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
-                 f"before-after each budget {' '.join(_around(r) for r in rows)}; "
-                 f"O_DIRECT bandwidth for the bound: {disk_bw / MB:.0f} MB/s")
+                 f"before-after each budget {' '.join(_around(r) for r in rows)}; O_DIRECT GB/s before-after each "
+                 f"budget {' '.join(f'{a / 1e9:.2f}-{b / 1e9:.2f}' for a, b in (r.disk_around for r in rows))}")
     return "\n".join(lines)
 
 
@@ -548,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
     rows_raw, by_mode, resident = [], {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
+        disk_before = probe_disk(model, unit, args.probe_mib * MiB, 1)
         before = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                             args.prefetch[0], args.context)
         resident = resident or before  # the first: the table's and the plot's reference
@@ -555,15 +576,15 @@ def main(argv: list[str] | None = None) -> int:
                                          mode, args.context) for mode in args.prefetch}
         after = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
                            args.prefetch[0], args.context)
+        disk_after = probe_disk(model, unit, args.probe_mib * MiB, 1)
         engine = by_mode[pct][args.prefetch[0]]
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
-        rows_raw.append((pct, engine, peers, (before.s_per_token, after.s_per_token)))
+        rows_raw.append((pct, engine, peers, (before.s_per_token, after.s_per_token), (disk_before, disk_after)))
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
-    disk_bw = max(statistics.median(d["bytes_per_s"] for d in disk if d["threads"] == t) for t in (1, 4))
-    rows = [make_row(pct, e, p, around, disk_bw) for pct, e, p, around in rows_raw]
+    rows = [make_row(pct, e, p, around, disks) for pct, e, p, around, disks in rows_raw]
 
-    print(table(rows, resident, disk_bw))
+    print(table(rows, resident))
     if len(args.prefetch) > 1:
         print(prefetch_table(by_mode))
     result = {
@@ -576,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
                      "prefetch_modes": args.prefetch},
-        "probe": {"disk": disk, "disk_bandwidth_for_bound": disk_bw, "expert_unit_bytes": unit,
+        "probe": {"disk": disk, "disk_bandwidth_start_end": disk_bandwidth(disk), "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
         "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),
         "prefetch_compare": {f"{pct:g}": {m: asdict(r) for m, r in modes.items()} for pct, modes in by_mode.items()}
