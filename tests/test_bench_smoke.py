@@ -97,13 +97,22 @@ def test_plots_from_rows(tmp_path):
     plot_bytes([Row(25, engine(25, 3.0), {}, 0.05, (0.05, 0.05), 2e9, (2e9, 2e9), 0.1, 2.0, {})], nbytes)  # engine only
 
 
-def test_prefetch_modes_are_compared(tmp_path):
-    """With several --prefetch modes, a second table compares each with off (the route-ahead columns included)."""
+def test_prefetch_modes_are_compared_over_rounds(tmp_path):
+    """With several --prefetch modes, a second table compares each with off (the route-ahead columns included);
+    with --rounds, every mode runs in every round between resident runs, and the row is the median round."""
+    out = tmp_path / "b.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--no-progress", "--no-peer",
-                           "--prefetch", "on,off", "--work-dir", str(tmp_path), "--json", str(tmp_path / "b.json")],
+                           "--prefetch", "on,off", "--rounds", "3", "--work-dir", str(tmp_path), "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     header = next(line for line in proc.stdout.splitlines() if "pay-check verdicts" in line)
     assert "ahead" in header and "RA" in header
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] in (["on"], ["off"])]
     assert {(r[0], r[1]) for r in rows} == {("100", "on"), ("100", "off"), ("25", "on"), ("25", "off")}
+    result = json.loads(out.read_text())
+    for row in result["rows"]:
+        rounds = result["rounds"][f"{row['budget_pct']:g}"]
+        assert len(rounds["resident_s_per_token"]) == 4 and len(rounds["engine_s_per_token"]["off"]) == 3
+        ratios = row["rounds_vs_bound"]
+        assert len(ratios) == 3 and row["engine_vs_bound"] == sorted(ratios)[1]  # the median round
+        assert row["engine"]["s_per_token"] in rounds["engine_s_per_token"]["on"]

@@ -6,7 +6,9 @@ prompt; the table gives decode tok/s, bytes read per token, hit rate, stall time
 token against a physical bound, max(resident compute time, bytes read and used / measured O_DIRECT bandwidth).
 The resident compute time is measured right before and right after each budget's engine runs (their mean is the
 bound's), not once: this VM's CPU speed drifts by up to ~15% over minutes (user CPU per token of the same work),
-as much as the bound's margin, and one side of the engine's run alone would lean with the drift.
+as much as the bound's margin, and one side of the engine's run alone would lean with the drift. Each budget runs
+`--rounds` rounds (default 3), each between two resident runs; the table shows the median round against its
+bound and the spread of all rounds, the JSON every run.
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
@@ -111,6 +113,8 @@ class Row:
     bound_s_per_token: float
     engine_vs_bound: float
     tokens_match: dict[str, bool]
+    rounds_vs_bound: list[float] = field(default_factory=list)  # every round's engine / bound (--rounds); the
+    # row's engine run, resident_around and engine_vs_bound are those of the median round
 
     def ratio(self, mode: str) -> float | None:
         peer = self.peers.get(mode)
@@ -360,16 +364,42 @@ def disk_bandwidth(samples: list[dict]) -> float:
                for t in {d["threads"] for d in samples})
 
 
-def make_row(pct: float, engine: EngineRun, peers: dict[str, PeerRun], around: tuple[float, float],
-             disk_around: tuple[list[dict], list[dict]]) -> Row:
+@dataclass
+class BudgetRuns:
+    """One budget's engine runs: `--rounds` rounds of every prefetch mode, each round between two resident runs
+    (residents[i] before round i, residents[i + 1] after it), and O_DIRECT samples before and after them all."""
+    rounds: list[dict[str, EngineRun]]
+    residents: list[EngineRun]
+    disk_around: tuple[list[dict], list[dict]]
+
+    def median_round(self, mode: str, disk_bw: float) -> tuple[int, list[float]]:
+        """The round whose `mode` run is the median against its bound (the upper one of an even count), and
+        every round's ratio in order."""
+        ratios = [run[mode].s_per_token / bound_s(run[mode], self.around(i), disk_bw)
+                  for i, run in enumerate(self.rounds)]
+        return sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2], ratios
+
+    def around(self, i: int) -> tuple[float, float]:
+        return self.residents[i].s_per_token, self.residents[i + 1].s_per_token
+
+
+def bound_s(engine: EngineRun, around: tuple[float, float], disk_bw: float) -> float:
+    """The physical bound per token: max(resident compute time, bytes read and used / O_DIRECT bandwidth)."""
+    return max(statistics.mean(around), engine.needed_bytes_per_token / disk_bw)
+
+
+def make_row(pct: float, runs: BudgetRuns, mode: str, peers: dict[str, PeerRun]) -> Row:
     """The bound uses the resident compute time and the disk bandwidth measured around this budget's engine
-    runs: this VM's disk delivered 0.6-2.4 GB/s in phases of minutes, and its CPU drifts too."""
-    compute_s = statistics.mean(around)
-    disk_bw = disk_bandwidth(disk_around[0] + disk_around[1])
-    bound = max(compute_s, engine.needed_bytes_per_token / disk_bw)
-    match = {mode: run.tokens == engine.tokens for mode, run in peers.items()}
-    return Row(pct, engine, peers, compute_s, around, disk_bw, (disk_bandwidth(disk_around[0]),
-               disk_bandwidth(disk_around[1])), bound, engine.s_per_token / bound, match)
+    runs: this VM's disk delivered 0.6-3.7 GB/s in phases of minutes, and its CPU drifts too. With several
+    rounds the row is the median round: single runs of identical work differ by up to ~18% here."""
+    before, after = runs.disk_around
+    disk_bw = disk_bandwidth(before + after)
+    i, ratios = runs.median_round(mode, disk_bw)
+    engine, around = runs.rounds[i][mode], runs.around(i)
+    match = {m: run.tokens == engine.tokens for m, run in peers.items()}
+    return Row(pct, engine, peers, statistics.mean(around), around, disk_bw,
+               (disk_bandwidth(before), disk_bandwidth(after)), bound_s(engine, around, disk_bw), ratios[i], match,
+               ratios)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -401,9 +431,9 @@ def table(rows: list[Row], resident: EngineRun) -> str:
     'others': the most cores other processes used during any of the row's measured decodes (a shared machine's
     noise)."""
     lines = [f"{'budget':>7} {'engine':>7} {'peer':>7} {'ratio':>6} {'peer pc':>7} {'ratio':>6} {'MB/tok':>7} "
-             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'others':>6}  tokens",
+             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'rounds':>9} {'others':>6}  tokens",
              f"{'% model':>7} {'tok/s':>7} {'bypass':>7} {'':>6} {'tok/s':>7} {'':>6} {'engine':>7} "
-             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'cores':>6}"]
+             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'/bound':>9} {'cores':>6}"]
     for r in rows:
         by, pc = r.peers.get("bypass"), r.peers.get("allow")
         ok = all(r.tokens_match.values()) if r.tokens_match else None
@@ -415,12 +445,16 @@ def table(rows: list[Row], resident: EngineRun) -> str:
             f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
             f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.disk_bw / 1e9:>5.2f} "
             f"{_fmt(r.engine.read_bytes_per_busy_s and r.engine.read_bytes_per_busy_s / 1e9, '5.2f'):>5} "
-            f"{r.engine_vs_bound:>6.2f} {others:>6.2f}  "
+            f"{r.engine_vs_bound:>6.2f} {_spread(r.rounds_vs_bound):>9} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
     lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
                  f"before-after each budget {' '.join(_around(r) for r in rows)}; O_DIRECT GB/s before-after each "
                  f"budget {' '.join(f'{a / 1e9:.2f}-{b / 1e9:.2f}' for a, b in (r.disk_around for r in rows))}")
     return "\n".join(lines)
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
 def _around(r: Row) -> str:
@@ -534,6 +568,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefetch", default="adaptive", metavar="MODES",
                     help="comma-separated engine prefetch modes from off,on,adaptive (default: adaptive, as "
                          "Engine.open); the first is the main table's engine, all are compared per budget")
+    ap.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help="engine runs per budget and prefetch mode, each between two resident runs; the table "
+                         "shows the median round and the spread (default 3; --quick 1)")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch intra-op threads for both systems (default: torch's own choice)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
@@ -543,6 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.budgets, args.tokens, args.prompt_len, args.probe_mib = "100,25", 4, 4, 8
+    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     args.json = args.json or str(Path(args.work_dir) / "bench.json")
     args.prefetch = args.prefetch.split(",")
     unknown = [m for m in args.prefetch if m not in PREFETCH_MODES]
@@ -566,23 +606,24 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else 3
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
-    rows_raw, by_mode, resident = [], {}, None
+    def engine_run(pct: float | None, mode: str) -> EngineRun:
+        return run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, mode, args.context)
+
+    rows, by_mode, all_runs, resident = [], {}, {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
         disk_before = probe_disk(model, unit, args.probe_mib * MiB, 1)
-        before = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                            args.prefetch[0], args.context)
-        resident = resident or before  # the first: the table's and the plot's reference
-        by_mode[pct] = {mode: run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                                         mode, args.context) for mode in args.prefetch}
-        after = run_engine(model, None, prompt, warm, args.tokens, args.progress, args.wait_quiet,
-                           args.prefetch[0], args.context)
-        disk_after = probe_disk(model, unit, args.probe_mib * MiB, 1)
-        engine = by_mode[pct][args.prefetch[0]]
+        residents, rounds = [engine_run(None, args.prefetch[0])], []
+        resident = resident or residents[0]  # the first: the table's and the plot's reference
+        for _ in range(args.rounds):
+            rounds.append({mode: engine_run(pct, mode) for mode in args.prefetch})
+            residents.append(engine_run(None, args.prefetch[0]))
+        runs = BudgetRuns(rounds, residents, (disk_before, probe_disk(model, unit, args.probe_mib * MiB, 1)))
         peers = run_peer(model, pct, int(info["bytes"] * pct / 100), modes, prompt, args.tokens,
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
-        rows_raw.append((pct, engine, peers, (before.s_per_token, after.s_per_token), (disk_before, disk_after)))
+        rows.append(make_row(pct, runs, args.prefetch[0], peers))
+        all_runs[pct] = runs
+        by_mode[pct] = rounds[runs.median_round(args.prefetch[0], rows[-1].disk_bw)[0]]
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
-    rows = [make_row(pct, e, p, around, disks) for pct, e, p, around, disks in rows_raw]
 
     print(table(rows, resident))
     if len(args.prefetch) > 1:
@@ -596,10 +637,14 @@ def main(argv: list[str] | None = None) -> int:
                      "context": args.context,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
-                     "prefetch_modes": args.prefetch},
+                     "prefetch_modes": args.prefetch, "rounds": args.rounds},
         "probe": {"disk": disk, "disk_bandwidth_start_end": disk_bandwidth(disk), "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
         "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),
+        "rounds": {f"{pct:g}": {"resident_s_per_token": [r.s_per_token for r in runs.residents],
+                                "engine_s_per_token": {m: [rnd[m].s_per_token for rnd in runs.rounds]
+                                                       for m in args.prefetch}}
+                   for pct, runs in all_runs.items()},
         "prefetch_compare": {f"{pct:g}": {m: asdict(r) for m, r in modes.items()} for pct, modes in by_mode.items()}
         if len(args.prefetch) > 1 else {},
     }
