@@ -606,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else 3
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
+
     def engine_run(pct: float | None, mode: str) -> EngineRun:
         return run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, mode, args.context)
 
