@@ -115,6 +115,7 @@ class Row:
     tokens_match: dict[str, bool]
     rounds_vs_bound: list[float] = field(default_factory=list)  # every round's engine / bound (--rounds); the
     # row's engine run, resident_around and engine_vs_bound are those of the median round
+    median_round: int = 0  # its index
 
     def ratio(self, mode: str) -> float | None:
         peer = self.peers.get(mode)
@@ -399,7 +400,7 @@ def make_row(pct: float, runs: BudgetRuns, mode: str, peers: dict[str, PeerRun])
     match = {m: run.tokens == engine.tokens for m, run in peers.items()}
     return Row(pct, engine, peers, statistics.mean(around), around, disk_bw,
                (disk_bandwidth(before), disk_bandwidth(after)), bound_s(engine, around, disk_bw), ratios[i], match,
-               ratios)
+               ratios, i)
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -623,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                          Path(args.work_dir), args.progress, args.wait_quiet) if args.peer else {}
         rows.append(make_row(pct, runs, args.prefetch[0], peers))
         all_runs[pct] = runs
-        by_mode[pct] = rounds[runs.median_round(args.prefetch[0], rows[-1].disk_bw)[0]]
+        by_mode[pct] = rounds[rows[-1].median_round]  # the prefetch table compares the modes of that round
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
 
     print(table(rows, resident))
