@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -67,8 +68,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None: OFFLOAD_ENGINE_DEVICE if set (the test suite sets 'cpu'), else cuda when available, else cpu."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = os.environ.get("OFFLOAD_ENGINE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -1,6 +1,7 @@
 """Shared fixtures: small real checkpoints written by tools/make_checkpoint.py (transformers' own classes)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -11,6 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.make_checkpoint import make_checkpoint  # noqa: E402
+
+# The budget tests describe the CPU tiers: there `ram` bounds the compute tier, while on CUDA the default VRAM budget
+# is the free device memory, so a ram-only budget would hold the whole model. Engines opened without a device run
+# on the CPU unless the runner sets OFFLOAD_ENGINE_DEVICE; tests/test_cuda.py opens its engines on cuda itself.
+os.environ.setdefault("OFFLOAD_ENGINE_DEVICE", "cpu")
 
 ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next",
          "qwen3_5_moe_text")

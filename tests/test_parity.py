@@ -65,8 +65,8 @@ def test_decode_token_by_token_matches_prefill(checkpoint_factory):
         full = engine.logits(ids)
         model = engine.model
         cache = model.new_cache(len(ids))
-        model.forward(torch.tensor(ids[:48]), cache)
-        steps = torch.cat([model.forward(torch.tensor([t]), cache) for t in ids[48:]])
+        model.forward(torch.tensor(ids[:48], device=engine.device), cache)
+        steps = torch.cat([model.forward(torch.tensor([t], device=engine.device), cache) for t in ids[48:]])
         assert torch.allclose(steps, full[48:], atol=1e-5 * full.abs().max().item())
 
 

@@ -94,6 +94,14 @@ def stall_timeout_from_env() -> float:
     return value
 
 
+def gds_from_env() -> bool:
+    """OFFLOAD_ENGINE_GDS: 'auto' (default: GPUDirect reads when kvikio and CUDA are present) or 'off'."""
+    text = os.environ.get("OFFLOAD_ENGINE_GDS", "auto")
+    if text not in ("auto", "off"):
+        raise ConfigError(f"OFFLOAD_ENGINE_GDS must be 'auto' or 'off', got {text!r}")
+    return text == "auto"
+
+
 def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
                 direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
                 stall_timeout: float | None = None) -> TieredStore:
@@ -102,5 +110,5 @@ def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch
     staged = max(t.staging_bytes for t in placement.tiers)  # what plan_for charged for the bounce buffers
     bounce = staged // READER_THREADS or bounce_bytes(placement.sizes)
     return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
-                       threads=READER_THREADS, bounce_bytes=bounce, stall_timeout=timeout, read_fn=read_fn,
-                       progress=progress)
+                       threads=READER_THREADS, bounce_bytes=bounce, gds=gds_from_env(), stall_timeout=timeout,
+                       read_fn=read_fn, progress=progress)

@@ -75,7 +75,8 @@ class StoreStats:
 class TieredStore:
     def __init__(self, checkpoint: ModelCheckpoint, placement: Placement, ledger: Ledger, device: torch.device,
                  dtype: torch.dtype, *, policy: str = "layer-lru", direct_io: bool = False, threads: int = 4,
-                 bounce_bytes: int = BOUNCE_BYTES, gds: bool = True, stall_timeout: float = 60.0, read_fn: ReadFn | None = None, progress: bool = False):
+                 bounce_bytes: int = BOUNCE_BYTES, gds: bool = True, stall_timeout: float = 60.0,
+                 read_fn: ReadFn | None = None, progress: bool = False):
         self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
         self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
         self.stats = StoreStats()
@@ -90,7 +91,8 @@ class TieredStore:
         self.direct_io = direct_io
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.gds = GdsReader.open(self.files) if cuda and gds else None
+        # a read_fn defines the disk read (fault injection): GPUDirect would go around it
+        self.gds = GdsReader.open(self.files) if cuda and gds and read_fn is None else None
         self.tiers: list[Tier] = []
         for plan in placement.tiers:
             tier_device = device if plan.name == "device" else torch.device("cpu")
@@ -98,6 +100,13 @@ class TieredStore:
             self.tiers.append(tier)
         self.compute = self.tiers[0]
         self.host = self.tiers[1] if len(self.tiers) > 1 else None
+        # kinds GPUDirect reads: those the host tier cannot cache (its slots of the kind are only the staging ones).
+        # Where the host can cache, disk -> pinned host slot -> device keeps the unit for later host hits (a pinned
+        # copy runs at tens of GB/s, a re-read at disk speed); measured on an H200 (docs/PERF.md): with GPUDirect
+        # taking every read, a 50% RAM budget held no expert at all.
+        host_plan = placement.tiers[1] if len(placement.tiers) > 1 else None
+        self.gds_kinds = {kind for kind in placement.sizes
+                          if host_plan is None or host_plan.slots.get(kind, 0) <= host_plan.staging_slots.get(kind, 0)}
         for key, layout in checkpoint.layouts.items():
             if placement.by_rows(key.kind):
                 row_tensor(layout)  # a table, or a ConfigError now rather than at the first lookup
@@ -153,7 +162,7 @@ class TieredStore:
         layout = self.checkpoint.layouts[key]
         if slot.blob.device.type == "cuda":
             slot.offset = 0
-            if self.gds is not None:  # GPUDirect Storage: NVMe straight into the device slot
+            if self.gds is not None and key.kind in self.gds_kinds:  # GPUDirect: NVMe straight into the slot
                 for r in layout.read_ranges():
                     with reading(r.file, r.file_offset, r.nbytes):
                         self.gds.read(r, slot.blob)
