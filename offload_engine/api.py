@@ -8,6 +8,7 @@ that thread ends the suspended stream first.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -23,9 +24,11 @@ from .config import Budget, resolve_device, resolve_dtype
 from .interrupts import finish_despite_interrupts, sigint_guarded
 from .errors import ConfigError, EngineBusyError, EngineClosedError, PlanError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
+from .planner.costs import Machine
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
+from .runtime.host_compute import HostCompute, check_host_compute, measure_machine
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
@@ -78,7 +81,7 @@ class Engine:
              allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
              stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
              spec_width: int | None = None, draft_model: str | os.PathLike | None = None,
-             draft_budget: Budget | None = None) -> "Engine":
+             draft_budget: Budget | None = None, host_compute: str = "off") -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
         the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
@@ -89,7 +92,11 @@ class Engine:
         "mtp" loads the checkpoint's MTP layers as `mtp` units, "auto" only where they cost little memory
         (_with_mtp_units); spec_depth / spec_width fix the draft
         shape (default: the cost model chooses each step). draft_model: a smaller checkpoint with the same
-        tokenizer, opened as its own engine within `draft_budget`."""
+        tokenizer, opened as its own engine within `draft_budget`.
+
+        host_compute: "off" (default), "on" or "auto": experts the host tier holds and the device tier does not
+        are computed by the CPU where they lie instead of being copied (runtime/host_compute.py; not bit for bit
+        the device's results on a GPU)."""
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
@@ -98,6 +105,9 @@ class Engine:
             raise ConfigError("spec 'draft' needs a draft model: pass --draft-model DIR (API: draft_model=...)")
         dev = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, dev)
+        host_compute = check_host_compute(host_compute)
+        # measured before the store allocates (the probes' buffers are transient and outside the budget)
+        rates = measure_machine(dev, compute_dtype) if host_compute == "auto" and dev.type == "cuda" else None
         checkpoint = open_model(path, allow_cast=allow_cast)
         # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
         resolved = budget.resolve(checkpoint.index.total_bytes)
@@ -122,6 +132,7 @@ class Engine:
                                   f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
                                   f"{checkpoint.arch.name})")
             model.prefetcher = _prefetcher(model, store, prefetch, trace)
+            model.host_compute = _host_compute(host_compute, rates, store)
             tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
             if draft_model is not None and spec in ("auto", "draft"):
                 draft = _open_draft(draft_model, draft_budget, dev, compute_dtype, context, tokenizer,
@@ -380,6 +391,16 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
                                 lambda t: store.peek(UnitKey(t, "dense")))
     prior = FrequencyPrior(moe_layers, spec.num_experts_per_tok, Path(trace) if trace else None)
     return Prefetcher(store, Combined(lookahead, prior), moe_layers, spec.num_layers, config)
+
+
+def _host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:
+    """Only where the host tier caches experts apart from the compute tier, and for "auto" only on a GPU."""
+    if mode == "off" or store.host is None or not store.host.pools.get("expert") or (mode == "auto" and not rates):
+        return None
+    layouts = [l for k, l in store.checkpoint.layouts.items() if k.kind == "expert"]
+    biggest = max(layouts, key=lambda l: l.nbytes)
+    params = sum(math.prod(t.shape) for t in biggest.slices)
+    return HostCompute(mode, rates, biggest.nbytes, params)
 
 
 def _prefetch_stats(prefetcher: Prefetcher | None, expert_reads: dict[str, int]) -> dict[str, Any]:

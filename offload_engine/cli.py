@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert cache eviction policy")
     run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
                      help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
+    run.add_argument("--host-compute", default="off", choices=["off", "on", "auto"],
+                     help="compute experts held in RAM (not in VRAM) on the CPU instead of copying them; auto: where "
+                          "measured rates say it is faster; on a GPU not bit-identical to device compute")
     run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
@@ -168,7 +171,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
                          prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec,
                          spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
-                         draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
+                         draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram),
+                         host_compute=args.host_compute)
     try:
         _set_compute_threads(args.threads, engine)
         return _generate(engine, args)

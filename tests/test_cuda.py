@@ -94,3 +94,16 @@ def test_route_ahead_prefetch_on_cuda_is_lossless(cuda_reference):
     _, completion, _ = run(path, budget=Budget(vram="10%", ram="40%"), prefetch=PrefetchConfig(adaptive=False))
     assert completion.token_ids == ref.token_ids
     assert completion.stats["expert_reads"]["ahead"] > 0
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_host_compute_on_cuda_gives_the_resident_tokens(cuda_reference, mode):
+    """Experts held in pinned RAM are computed by the CPU (another summation order than the GPU's: the logits
+    agree to rounding, the greedy tokens exactly on these models). auto measures the rates at open and decides
+    per expert; on takes every one."""
+    path, ref_logits, ref = cuda_reference
+    logits, completion, _ = run(path, budget=Budget(vram="10%", ram="100%"), host_compute=mode)
+    assert completion.token_ids == ref.token_ids
+    assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max().item())
+    if mode == "on":
+        assert completion.stats["host_computed"] > 0 and completion.stats["bytes_host_to_device"] == 0

@@ -9,7 +9,8 @@
 3. GPUDirect Storage: kvikio reads of a file into device memory (when kvikio imports);
 4. overlap of host->device copies on a side stream with matmuls on the compute stream;
 5. the engine at a VRAM budget on a Qwen3-30B-A3B-shaped checkpoint (its real layer shape, fewer layers), with the
-   per-layer part of 12 GiB scaled by layers / 48, at several RAM budgets; each run's tokens against the first's.
+   per-layer part of 12 GiB scaled by layers / 48, at several RAM budgets, GPUDirect on and off, host compute off,
+   auto and on; each run's tokens against the first's (host compute may differ by bf16 rounding: CPU vs GPU).
 CI never runs this; it is run by hand when a GPU machine is lent (see README).
 """
 from __future__ import annotations
@@ -135,21 +136,24 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
         torch.cuda.empty_cache()
     head = cfg["vocab_size"] * cfg["hidden_size"] * 2
     vram = int(head + (12 * 2**30 - head) * layers / 48)
-    results = {}
+    results = {"vram_bytes": vram}
     # ram=100%: every expert cached in pinned RAM; ram=50%: experts also stream from disk, with expert prefetching
     # off / always on (router lookahead and route ahead, which should pay where compute is fast next to the link)
     # / adaptive (the default), and with GPUDirect off; ram=15%: the host holds little more than staging, so the
     # misses GPUDirect can take go NVMe -> VRAM. Every run's tokens must equal the first one's (lossless).
-    runs = [("100%", "adaptive", PrefetchConfig(), "auto")] + [("50%", mode, config, "auto") for mode, config in (
-        ("off", False), ("on", PrefetchConfig(adaptive=False)), ("adaptive", PrefetchConfig()))] + [
-        ("50%", "adaptive", PrefetchConfig(), "off"), ("15%", "adaptive", PrefetchConfig(), "auto")]
+    # host compute: the experts RAM holds computed by the CPU, by the cost rule (auto) and always (on)
+    adaptive = PrefetchConfig()
+    runs = [("100%", "adaptive", adaptive, "auto", "off")] + [("50%", mode, config, "auto", "off") for mode, config in (
+        ("off", False), ("on", PrefetchConfig(adaptive=False)), ("adaptive", adaptive))] + [
+        ("50%", "adaptive", adaptive, "off", "off"), ("15%", "adaptive", adaptive, "auto", "off"),
+        ("50%", "adaptive", adaptive, "auto", "auto"), ("50%", "adaptive", adaptive, "auto", "on")]
     reference = None
-    for ram, mode, prefetch, gds in runs:
-        name = f"vram={vram >> 20}MiB ram={ram} prefetch={mode} gds={gds}"
+    for ram, mode, prefetch, gds, host_compute in runs:
+        name = f"ram={ram} prefetch={mode} gds={gds} host={host_compute}"
         os.environ["OFFLOAD_ENGINE_GDS"] = gds
         try:
             with Engine.open(model_dir, budget=Budget(vram=vram, ram=ram), device=device, dtype="bfloat16",
-                             max_context=512, prefetch=prefetch) as engine:
+                             max_context=512, prefetch=prefetch, host_compute=host_compute) as engine:
                 engine.generate(list(range(40, 48)), max_new_tokens=8, ignore_eos=True)  # warm-up
                 c = engine.generate(list(range(1, 33)), max_new_tokens=32, ignore_eos=True)
                 used_gds = engine.store.gds is not None
@@ -163,6 +167,7 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
         results[name] = {
             **{k: c.stats[k] for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_disk_per_token",
                                        "bytes_host_to_device", "io_wait_s", "expert_reads", "hits", "misses",
+                                       "host_computed",
                                        "peak_bytes", "budget_bytes")},
             "gds_reader": used_gds, "tokens_equal_first_run": c.token_ids == reference,
             "route_ahead": prefetched.get("route_ahead"), "recall_effective": prefetched.get("recall_effective"),
@@ -213,15 +218,18 @@ def main() -> int:
         print(f"{name:<8} {time.perf_counter() - t:6.1f}s  {json.dumps(report[name])[:300]}")
     engine = report.get("engine", {})
     if engine and "error" not in engine:
-        print(f"\n{'engine run':<58} {'tok/s':>7} {'hit':>5} {'MB disk/tok':>11} {'GB h2d':>7} {'wait s':>7} "
-              f"{'gds':>4} {'same tokens':>11}")
+        print(f"\n{'engine run (VRAM ' + str(engine['vram_bytes'] >> 20) + ' MiB)':<44} {'tok/s':>7} {'hit':>5} "
+              f"{'MB disk/tok':>11} {'GB h2d':>7} {'on CPU':>6} {'wait s':>7} {'gds':>5} {'same tokens':>11}")
         for name, row in engine.items():
-            if "error" in row:
-                print(f"{name:<58} {row['error'][:60]}")
+            if not isinstance(row, dict):
                 continue
-            print(f"{name:<58} {row['decode_tok_s']:7.1f} {row['hit_rate']:5.2f} "
+            if "error" in row:
+                print(f"{name:<44} {row['error'][:70]}")
+                continue
+            print(f"{name:<44} {row['decode_tok_s']:7.1f} {row['hit_rate']:5.2f} "
                   f"{row['bytes_read_disk_per_token'] / 1e6:11.1f} {row['bytes_host_to_device'] / 1e9:7.2f} "
-                  f"{row['io_wait_s']:7.3f} {str(row['gds_reader']):>4} {str(row['tokens_equal_first_run']):>11}")
+                  f"{row['host_computed']:6d} {row['io_wait_s']:7.3f} {str(row['gds_reader']):>5} "
+                  f"{str(row['tokens_equal_first_run']):>11}")
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0

@@ -146,6 +146,26 @@ def accepted_per_step(drafts: int, accept: float) -> float:
     return sum(accept ** j for j in range(drafts + 1))
 
 
+def expert_host_seconds(nbytes: float, params: float, tokens: float, m: Machine, overhead_scale: float = 1.0) -> float:
+    """A5: one expert computed on the host CPU where it lives in RAM: GEMV bandwidth or FLOPs, plus its ops."""
+    return (max(nbytes / (m.cpu_gbps * 1e9), 2 * params * tokens / m.cpu_flops)
+            + overhead_scale * OPS_PER_UNIT["expert"] * m.cpu_op_us * 1e-6)
+
+
+def expert_copied_seconds(nbytes: float, params: float, tokens: float, m: Machine) -> float:
+    """A2 + A1: one expert copied host -> device, then computed on the device."""
+    return (nbytes / (m.h2d_gbps * 1e9) + max(nbytes / (m.weight_gbps * 1e9), 2 * params * tokens / m.flops)
+            + OPS_PER_UNIT["expert"] * m.op_us * 1e-6)
+
+
+def host_compute_pays(nbytes: float, params: float, tokens: float, m: Machine) -> bool:
+    """The one rule for computing a host-resident expert on the CPU instead of copying it to the GPU (the planner's
+    A5 and the engine's `host_compute="auto"`): only with a GPU and a host tier, only where it is faster."""
+    if m.compute != "gpu" or m.h2d_gbps is None:
+        return False
+    return expert_host_seconds(nbytes, params, tokens, m) < expert_copied_seconds(nbytes, params, tokens, m)
+
+
 def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, host_compute: bool = False,
               kv_read_bytes: float = 0.0, prefetch_dense: bool | None = None,
               overhead_scale: float = 1.0, bounce_gbps: float | None = None,
@@ -172,8 +192,7 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
         from_disk = f.uses * f.p_disk
         if on_cpu:  # A5: misses computed where they live (RAM); disk misses land in RAM first
             gpu_uses = f.uses * f.p_device
-            cpu_unit = max(read / (m.cpu_gbps * 1e9), 2 * f.unit_params * f.tokens / m.cpu_flops)
-            cpu_unit += overhead_scale * ops * m.cpu_op_us * 1e-6
+            cpu_unit = expert_host_seconds(read, f.unit_params, f.tokens, m, overhead_scale)
             cpu += missing * cpu_unit
             overlappable += max(missing * cpu_unit - (f.groups * cpu_unit if missing else 0.0), 0.0)
             cpu_disk_misses += from_disk

@@ -1,6 +1,7 @@
 """The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ class CausalLM:
         self.num_layers = self.spec.num_layers
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
         self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
+        self.host_compute = None  # host_compute.HostCompute: experts the CPU computes where they lie in RAM
         self.routing_trace: list[tuple[int, list[list[int]]]] | None = None  # set to [] to record routing
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
@@ -109,9 +111,24 @@ class CausalLM:
             return out if shared[0] is None else out + shared[0]
 
         # resident experts first, the rest as their reads land
-        for key, ew in self.source.acquire(keys, None if ahead is None else lambda: ahead(output())):
+        wait_work = None if ahead is None else lambda: ahead(output())
+        host = self.host_compute
+        if host is None:
+            units = self.source.acquire(keys, wait_work)
+        else:
+            tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
+            units = self.source.acquire(keys, wait_work, on_host=lambda key: host.wants(tokens[key.expert]))
+        elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the routing's inputs, moved once
+        for key, ew in units:
             try:
-                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
+                where = next(iter(ew.values())).device
+                if where == h.device:
+                    parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
+                else:  # handed over from the host tier to be computed there
+                    if where not in elsewhere:
+                        elsewhere[where] = (h.to(where), indices.to(where), weights.to(where))
+                    tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
+                    parts[key.expert] = (tok.to(h.device), y.to(h.device))
             finally:
                 self.source.release([key])  # frees the slot for the next expert's read
         return output()

@@ -18,8 +18,8 @@ Weights = Mapping[str, torch.Tensor]
 
 
 class WeightSource(Protocol):
-    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
-                ) -> Iterator[tuple[UnitKey, Weights]]: ...
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
+                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]: ...
     def release(self, keys: Sequence[UnitKey]) -> None: ...
 
 

@@ -33,9 +33,10 @@ class ResidentWeights:
         finally:
             self.files.close()
 
-    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
-                ) -> Iterator[tuple[UnitKey, Weights]]:
-        """Everything is resident: nothing is ever waited for, so `while_waiting` is never called."""
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
+                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
+        """Everything is resident: nothing is ever waited for (`while_waiting` is never called) nor held
+        elsewhere (`on_host` is never asked)."""
         for key in keys:
             yield key, self.units[key]
 

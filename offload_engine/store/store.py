@@ -60,6 +60,7 @@ class StoreStats:
     rows: dict[str, int] = field(default_factory=lambda: {"cached": 0, "read": 0})  # row lookups (store.rows)
     # expert units requests needed read, by whom: a prefetch (read ahead, then used) or the request (on demand)
     expert_reads: dict[str, int] = field(default_factory=lambda: {"ahead": 0, "demand": 0})
+    host_computed: int = 0  # units handed over from the host tier for the caller to compute there (host_compute)
     read_busy: BusyClock = field(default_factory=BusyClock, repr=False)  # the reader pool's busy time
 
     def snapshot(self) -> dict:
@@ -68,7 +69,7 @@ class StoreStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_cancelled": self.prefetch_cancelled,
                 "prefetch_failed": self.prefetch_failed, "rows": dict(self.rows),
-                "expert_reads": dict(self.expert_reads),
+                "expert_reads": dict(self.expert_reads), "host_computed": self.host_computed,
                 "read_busy_s": self.read_busy.seconds()}
 
 
@@ -84,6 +85,7 @@ class TieredStore:
         self._expert_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
         self._lock = threading.RLock()
         self._tick = 0
+        self._host_held: dict[UnitKey, int] = {}  # host-tier references handed to callers (acquire's on_host)
         self.prefetch_slots = PREFETCH_SLOTS  # per kind: slots prefetched, unused units may hold (see _reserve)
         self.files = ShardFiles(checkpoint.index.shards)
         self._read_fn = read_fn or read_range
@@ -378,15 +380,19 @@ class TieredStore:
         return {k: (v.to(self.dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
 
     # ---- public API -------------------------------------------------------------------------------------
-    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None
-                ) -> Iterator[tuple[UnitKey, Weights]]:
+    def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
+                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
         """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done.
         Recency follows the order of `keys` (the last one is the most recently used), not the order the units
         land in: the caller knows which units its sequence used last (runtime.moe.routed_experts).
 
         while_waiting: called once, on the caller's thread, when every unit handed over so far has been used
         and none of the reads still awaited has landed: the caller's work for that otherwise idle time (the
-        runtime computes the next layer's routing ahead, CausalLM._route_ahead). Not counted as I/O wait."""
+        runtime computes the next layer's routing ahead, CausalLM._route_ahead). Not counted as I/O wait.
+
+        on_host: for a key the compute tier lacks and the host tier holds, whether the caller computes it there:
+        then its host-tier views are handed over (on the host's device) and nothing is copied or read
+        (runtime.host_compute)."""
         keys = list(dict.fromkeys(keys))
         ready: list[tuple[UnitKey, Slot]] = []
         waiting: list[UnitKey] = []
@@ -404,6 +410,14 @@ class TieredStore:
                     self.stats.hits[self.compute.name] += 1
                     self._claim_prefetched(slot, key)
                     ready.append((key, slot))
+                elif slot is None and on_host is not None and (host_slot := self._host_ready(key)) and on_host(key):
+                    host_slot.refs += 1
+                    self._host_held[key] = self._host_held.get(key, 0) + 1
+                    self._touch(host_slot, stamp[key])
+                    self.stats.misses[self.compute.name] += 1  # a compute-tier miss the host tier serves
+                    self.stats.hits[self.host.name] += 1
+                    self.stats.host_computed += 1
+                    ready.append((key, host_slot))
                 else:
                     waiting.append(key)
         owed = {key for key, _ in ready}  # acquired here, not yet handed to the caller
@@ -670,9 +684,25 @@ class TieredStore:
             if slot.refs == 0 and slot.loading is not None:
                 slot.loading = None
 
+    def _host_ready(self, key: UnitKey) -> Slot | None:
+        """The host tier's landed copy of `key`, if any (call with the lock held)."""
+        if self.host is None:
+            return None
+        slot = self.host.resident.get(key)
+        return slot if slot is not None and slot.loading is None else None
+
     def release(self, keys: Sequence[UnitKey]) -> None:
         with self._lock:
             for key in keys:
+                held = self._host_held.get(key)
+                if held:  # handed over from the host tier (acquire's on_host)
+                    self._host_held[key] = held - 1
+                    if held == 1:
+                        del self._host_held[key]
+                    slot = self.host.resident.get(key)
+                    if slot is not None and slot.refs > 0:
+                        slot.refs -= 1
+                    continue
                 slot = self.compute.resident.get(key)
                 if slot is not None and slot.refs > 0:
                     slot.refs -= 1
@@ -692,6 +722,12 @@ class TieredStore:
                     if slot.refs:
                         leaked += slot.refs
                         slot.refs = 0
+            for key, held in self._host_held.items():  # host-tier units handed over and never released
+                slot = self.host.resident.get(key)
+                if slot is not None:
+                    slot.refs = max(0, slot.refs - held)
+                leaked += held
+            self._host_held.clear()
         return leaked
 
     def resident_keys(self, tier: str = "device") -> set[UnitKey]:

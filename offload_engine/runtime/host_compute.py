@@ -1,0 +1,83 @@
+"""Which experts the host CPU computes where they lie in RAM instead of having them copied to the GPU.
+
+`host_compute`: "off" (default: every expert is computed on the compute device, so the logits are those of the
+fully resident run bit for bit), "on" (every routed expert the host tier holds and the device tier does not), or
+"auto" (those for which planner.costs.host_compute_pays says the CPU is faster than copy + GPU, from rates
+measured when the engine opens). A CPU computes in another order than a GPU, so "on" and "auto" on a GPU give
+the same tokens as a rule but not the same bits. On a CPU machine with --vram (both tiers in RAM) "on" computes
+host-resident experts in place, skipping the RAM-to-RAM copy, bit for bit as the device pool would.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..planner.costs import Machine, host_compute_pays
+from ..probe import measure_cpu_matmul_flops, measure_gpu_matmul_flops, measure_h2d_bandwidth
+
+HOST_COMPUTE_MODES = ("off", "on", "auto")
+
+
+def check_host_compute(mode: str) -> str:
+    if mode not in HOST_COMPUTE_MODES:
+        raise ConfigError(f"--host-compute must be one of {', '.join(HOST_COMPUTE_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class HostCompute:
+    mode: str  # "on" | "auto"
+    machine: Machine | None  # auto: the measured rates the rule weighs
+    expert_bytes: int  # one expert in the host tier
+    expert_params: int
+
+    def wants(self, tokens: int) -> bool:
+        """Compute on the host an expert routed `tokens` tokens of this forward."""
+        return self.mode == "on" or host_compute_pays(self.expert_bytes, self.expert_params, tokens, self.machine)
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
+    """The rates the rule needs, measured in well under a second: pinned host -> device copies, batch-1 matmuls on
+    the GPU and on the CPU in the compute dtype (the CPU's rate for bf16 differs widely between processors), and
+    the dispatch cost of one small op on each. Run before the store allocates, so the probes' transient buffers
+    (about 100 MiB) never meet a full budget. nvme_* are unused by the rule."""
+    ws = [torch.randn(1024, 1024, dtype=dtype) for _ in range(16)]  # decode-sized, cycled past the caches
+    x = torch.randn(1, 1024, dtype=dtype)
+    cpu_gbps = sum(w.numel() * w.element_size() for w in ws) / _best_seconds(lambda: [F.linear(x, w) for w in ws])
+    tw, tx = torch.randn(64, 64), torch.randn(1, 64)
+    cpu_op = _best_seconds(lambda: [F.linear(tx, tw) for _ in range(200)], 3) / 200
+    gw = torch.randn(4096, 4096, dtype=dtype, device=device)
+    gx = torch.randn(1, 4096, dtype=dtype, device=device)
+
+    def gpu_linear():
+        F.linear(gx, gw)
+        torch.cuda.synchronize(device)
+
+    def gpu_small_ops():
+        for _ in range(200):
+            F.linear(gx[:, :64], gw[:64, :64])
+        torch.cuda.synchronize(device)
+
+    gpu_gbps = gw.numel() * gw.element_size() / _best_seconds(gpu_linear)
+    gpu_op = _best_seconds(gpu_small_ops, 3) / 200
+    del gw, gx
+    h2d = measure_h2d_bandwidth(32 << 20, device=device)
+    gpu_flops = measure_gpu_matmul_flops(2048, dtype, device=device)
+    cpu_flops = measure_cpu_matmul_flops(256, dtype)
+    return Machine("gpu", gpu_gbps / 1e9, gpu_flops.flops_per_s, gpu_op * 1e6, h2d.bytes_per_s / 1e9,
+                   nvme_gbps=1.0, nvme_latency_us=0.0, cpu_gbps=cpu_gbps / 1e9, cpu_flops=cpu_flops.flops_per_s,
+                   cpu_op_us=cpu_op * 1e6)

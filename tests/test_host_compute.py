@@ -1,0 +1,74 @@
+"""Host compute: experts the host tier holds and the device tier does not, computed where they lie in RAM.
+
+On the CPU (--vram makes a RAM pool the device tier) "on" computes them in place, bit for bit as the device pool
+would; the cost rule that "auto" applies on a GPU is checked on the rates of real machines."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_engine import Budget, Engine
+from offload_engine.errors import ConfigError
+from offload_engine.planner.costs import Machine, host_compute_pays
+from tests.test_store import CONTEXT, NEW, PROMPT, run
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "deepseek_v3"])
+def resident(request, checkpoint_factory):
+    path = checkpoint_factory(request.param, "offload")
+    logits, completion = run(path)
+    return path, logits, completion
+
+
+@pytest.mark.parametrize("vram,ram", [("8%", "100%"), ("8%", "40%")])
+def test_host_compute_on_matches_resident_bitwise(resident, vram, ram):
+    path, ref_logits, ref = resident
+    logits, completion = run(path, budget=Budget(vram=vram, ram=ram), host_compute="on")
+    assert torch.equal(logits, ref_logits)
+    assert completion.token_ids == ref.token_ids
+    stats = completion.stats
+    assert stats["host_computed"] > 0
+    if ram == "100%":  # every expert lies in RAM: none is ever copied to the device tier
+        assert stats["bytes_host_to_device"] == 0
+    for tier in ("device", "host"):
+        assert stats["peak_bytes"][tier] <= stats["budget_bytes"][tier]
+
+
+def test_off_and_auto_on_a_cpu_compute_nothing_on_the_host(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe", "offload")
+    for mode in ("off", "auto"):  # auto: the rule never picks the host where compute already runs on the CPU
+        _, completion = run(path, budget=Budget(vram="8%", ram="100%"), host_compute=mode)
+        assert completion.stats["host_computed"] == 0 and completion.stats["bytes_host_to_device"] > 0
+
+
+def test_a_stream_stopped_early_gives_back_its_host_references(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe", "offload")
+    with Engine.open(path, budget=Budget(vram="8%", ram="100%"), max_context=CONTEXT, host_compute="on") as engine:
+        stream = engine.stream(PROMPT, max_new_tokens=NEW, ignore_eos=True)
+        next(stream)
+        stream.close()
+        assert all(slot.refs == 0 for pool in engine.store.host.pools.values() for slot in pool)
+        assert engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True).stats["host_computed"] > 0
+
+
+def test_unknown_mode_is_refused(checkpoint_factory):
+    with pytest.raises(ConfigError, match="--host-compute"):
+        Engine.open(checkpoint_factory("qwen3_moe", "offload"), host_compute="cpu")
+
+
+def machine(h2d_gbps: float, cpu_gbps: float, cpu_tflops: float) -> Machine:
+    return Machine("gpu", weight_gbps=3000.0, flops=500e12, op_us=8.0, h2d_gbps=h2d_gbps, nvme_gbps=5.0,
+                   nvme_latency_us=80.0, cpu_gbps=cpu_gbps, cpu_flops=cpu_tflops * 1e12, cpu_op_us=6.0)
+
+
+EXPERT = (2 * 3 * 2048 * 768, 3 * 2048 * 768)  # a Qwen3-30B-A3B expert in bf16: bytes, parameters
+
+
+def test_the_rule_weighs_the_link_against_the_cpu():
+    pcie4_desktop = machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0)
+    assert host_compute_pays(*EXPERT, 1, pcie4_desktop)  # decode: one token reads the expert once, no copy
+    assert not host_compute_pays(*EXPERT, 256, pcie4_desktop)  # prefill: the CPU's FLOPs lose
+    h200_box = machine(h2d_gbps=55.5, cpu_gbps=20.0, cpu_tflops=1.0)  # the H200 machine's pinned copy rate
+    assert not host_compute_pays(*EXPERT, 1, h200_box)
+    cpu_engine = Machine("cpu", 20.0, 1e12, 6.0, None, 2.0, 80.0, 20.0, 1e12, 6.0)
+    assert not host_compute_pays(*EXPERT, 1, cpu_engine)
