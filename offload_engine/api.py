@@ -106,8 +106,6 @@ class Engine:
         dev = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, dev)
         host_compute = check_host_compute(host_compute)
-        # measured before the store allocates (the probes' buffers are transient and outside the budget)
-        rates = measure_machine(dev, compute_dtype) if host_compute == "auto" and dev.type == "cuda" else None
         checkpoint = open_model(path, allow_cast=allow_cast)
         # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
         resolved = budget.resolve(checkpoint.index.total_bytes)
@@ -122,6 +120,11 @@ class Engine:
         if spec in ("auto", "mtp"):
             checkpoint, placement, use_direct = _with_mtp_units(checkpoint, placement, use_direct, plan,
                                                                 required=spec == "mtp")
+        # the rates host_compute="auto" weighs, measured before the store allocates (the probes' buffers are
+        # transient and outside the budget), and only where the host tier will cache experts apart from VRAM
+        host_experts = len(placement.tiers) > 1 and placement.tiers[1].slots.get("expert", 0) > 0
+        rates = (measure_machine(dev, compute_dtype)
+                 if host_compute == "auto" and dev.type == "cuda" and host_experts else None)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn,
                             stall_timeout=stall_timeout)
         draft = None

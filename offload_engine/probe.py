@@ -155,7 +155,7 @@ def measure_direct_read_bandwidth(path: str | os.PathLike, nbytes: int = 1 << 30
 
 
 # ---- memory and compute (CPU) -------------------------------------------------------------------------------
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -170,7 +170,7 @@ def measure_memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Bandw
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = _best_time(lambda: dst.copy_(src), repeats)
+    seconds = best_time(lambda: dst.copy_(src), repeats)
     return Bandwidth(nbytes / seconds, nbytes, seconds, "torch copy_ (RAM -> RAM)", nbytes, torch.get_num_threads(),
                      "cpu")
 
@@ -179,7 +179,7 @@ def measure_cpu_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, 
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     torch.matmul(a, b)  # warm-up: first call picks kernels and touches the output
-    seconds = _best_time(lambda: torch.matmul(a, b), repeats)
+    seconds = best_time(lambda: torch.matmul(a, b), repeats)
     return Throughput(2 * n ** 3 / seconds, n, seconds, str(dtype).replace("torch.", ""), "cpu",
                       torch.get_num_threads())
 

@@ -4,10 +4,13 @@ On the CPU (--vram makes a RAM pool the device tier) "on" computes them in place
 would; the cost rule that "auto" applies on a GPU is checked on the rates of real machines."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from offload_engine import Budget, Engine
+from offload_engine.cli import main
 from offload_engine.errors import ConfigError
 from offload_engine.planner.costs import Machine, host_compute_pays
 from tests.test_store import CONTEXT, NEW, PROMPT, run
@@ -72,3 +75,16 @@ def test_the_rule_weighs_the_link_against_the_cpu():
     assert not host_compute_pays(*EXPERT, 1, h200_box)
     cpu_engine = Machine("cpu", 20.0, 1e12, 6.0, None, 2.0, 80.0, 20.0, 1e12, 6.0)
     assert not host_compute_pays(*EXPERT, 1, cpu_engine)
+
+
+def test_cli_host_compute_flag(checkpoint_factory, capsys):
+    path = checkpoint_factory("qwen3_moe", "offload")
+    base = ["run", "--model", str(path), "--vram", "8%", "--ram", "100%", "--context", "64", "--max-new-tokens", "8",
+            "--json", "--quiet", "--prompt", "x"]
+    outs = []
+    for mode in ("off", "on"):
+        capsys.readouterr()
+        assert main(base + ["--host-compute", mode]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    assert outs[0]["stats"]["host_computed"] == 0 < outs[1]["stats"]["host_computed"]

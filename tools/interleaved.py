@@ -119,8 +119,8 @@ def main() -> int:
                       f"{args.budget} reading": clock.per_call_us(args.budget, "reading"),
                       f"{args.budget} idle": clock.per_call_us(args.budget, "idle")}}
     print(f"ratio median {summary['ratio_median']:.3f} mean {summary['ratio_mean']:.3f}; "
-          f"CPU {summary['cpu_extra_ms']:+.1f} ms/token, stall {summary['stall_ms']:.1f} ms/token; expert_part us/call: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in summary["expert_us"].items()))
+          f"CPU {summary['cpu_extra_ms']:+.1f} ms/token, stall {summary['stall_ms']:.1f} ms/token; "
+          "expert_part us/call: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["expert_us"].items()))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "pairs": pairs,
                                          "summary": summary}, indent=2))

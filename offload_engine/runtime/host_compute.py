@@ -9,7 +9,6 @@ host-resident experts in place, skipping the RAM-to-RAM copy, bit for bit as the
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..planner.costs import Machine, host_compute_pays
-from ..probe import measure_cpu_matmul_flops, measure_gpu_matmul_flops, measure_h2d_bandwidth
+from ..probe import best_time, measure_cpu_matmul_flops, measure_gpu_matmul_flops, measure_h2d_bandwidth
 
 HOST_COMPUTE_MODES = ("off", "on", "auto")
 
@@ -41,13 +40,8 @@ class HostCompute:
 
 
 def _best_seconds(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    fn()  # warm-up: first calls pick kernels and touch outputs
+    return best_time(fn, repeats)
 
 
 def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
