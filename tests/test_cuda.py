@@ -67,6 +67,23 @@ def test_device_allocations_stay_within_the_vram_budget(checkpoint_factory):
     assert completion.stats["peak_bytes"]["device"] <= budget
 
 
+def test_pinned_host_pools_are_the_bytes_charged(checkpoint_factory):
+    """The host tier's pools are page-locked in place (cudaHostRegister), not by torch's pinned allocator,
+    which rounds each allocation up to a power of two: the process grows by the host budget, not up to twice it."""
+    import psutil
+
+    path = checkpoint_factory("qwen3_moe", "medium")
+    torch.zeros(1, device="cuda")  # the CUDA context exists before the baseline
+    process = psutil.Process()
+    before = process.memory_info().rss
+    with Engine.open(path, budget=Budget(vram="10%", ram="60%"), device="cuda", dtype="float32",
+                     max_context=CONTEXT) as engine:
+        grown = process.memory_info().rss - before
+        host = engine.store.ledger.budgets()["host"]
+        assert engine.store.host.unpin, "the host pools were not page-locked"
+    assert grown <= host + 64 * 2**20, f"RSS grew {grown} bytes for a host budget of {host}"
+
+
 @pytest.mark.parametrize("mode", ["eio", "short"])
 def test_read_fault_on_the_host_bounce_path_surfaces_and_the_engine_recovers(checkpoint_factory, mode):
     """A read_fn replaces the disk read (and so turns GPUDirect off): the fault names the shard, the engine

@@ -53,3 +53,50 @@ def test_each_cpu_slot_pool_is_one_region(checkpoint_factory):
                 base = pool[0].blob.data_ptr()
                 assert [s.blob.data_ptr() - base for s in pool] == [i * size for i in range(len(pool))]
                 assert len({s.blob.untyped_storage().data_ptr() for s in pool}) == 1
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart() on a machine without CUDA: records what the pool registers (the
+    bookkeeping under test is ours; what page-locking does is checked on a GPU by tests/test_cuda.py)."""
+
+    def __init__(self, error: int = 0):
+        self.error, self.registered, self.unregistered, self.cleared = error, [], [], 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size))
+        return self.error
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetLastError(self):
+        self.cleared += 1
+        return 0
+
+
+def test_a_pinned_pool_is_registered_exactly_once_and_unregistered_by_free_all(monkeypatch):
+    from offload_engine.store.ledger import Ledger
+    from offload_engine.store.tier import Tier
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    ledger = Ledger({"host": 64 << 20})
+    tier = Tier("host", torch.device("cpu"), set())
+    tier.allocate("expert", 5, 3 << 20, ledger, pin_memory=True)
+    assert [size for _, size in fake.registered] == [5 * (3 << 20)]  # the exact bytes charged, one region
+    assert ledger.peak()["host"] == 5 * (3 << 20)
+    base = fake.registered[0][0]
+    assert [s.blob.data_ptr() for s in tier.pools["expert"]] == [base + i * (3 << 20) for i in range(5)]
+    tier.free_all(ledger)
+    assert fake.unregistered == [base] and not tier.unpin
+
+
+def test_a_pool_that_cannot_be_pinned_stays_pageable_with_a_warning(monkeypatch, caplog):
+    from offload_engine.store.hostmem import pinned_host_buffer
+
+    fake = FakeCudart(error=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    buf, unpin = pinned_host_buffer(4 * HUGE_PAGE)
+    assert unpin is None and buf.numel() == 4 * HUGE_PAGE and fake.cleared == 1
+    assert "could not page-lock" in caplog.text

@@ -9,13 +9,16 @@ then per allocation, so a 3 MiB slot still gets one huge page and 1 MiB of small
 region here instead.
 
 Only the 2 MiB-aligned interior is advised, and the region's tail past `nbytes` is never touched, so the
-process's resident memory stays within the bytes asked for (what the ledger charged). Pinned (CUDA host) and
-device memory keep torch's allocators.
+process's resident memory stays within the bytes asked for (what the ledger charged). Pinned (CUDA host) pools
+are such regions too, page-locked in place (`pinned_host_buffer`): torch's pinned allocator rounds every
+allocation up to a power of two. Device memory keeps torch's allocator.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
+from typing import Callable
 
 import torch
 
@@ -42,3 +45,24 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     except OSError:  # THP disabled or unsupported: ordinary pages, still correct
         pass
     return whole[start:start + nbytes]
+
+
+def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A host_buffer page-locked for CUDA in place (cudaHostRegister), so exactly `nbytes` are pinned: torch's
+    pinned allocator (`pin_memory=True`) rounds each allocation up to a power of two, and a 9.4 MB expert slot
+    would pin 16 MiB, up to twice what the ledger charged. Returns the buffer and the function that unpins it
+    (call it before the last view goes); where registering fails (a locked-memory limit, say) the buffer stays
+    pageable, with a warning: copies from it still work, synchronously, and the second item is None."""
+    buf = host_buffer(nbytes)
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)  # the failure must not surface at a later launch check
+        if clear is not None:
+            clear()
+        logging.getLogger("offload_engine").warning(
+            "could not page-lock %d bytes of host memory for CUDA (cudaHostRegister error %d): host-to-device "
+            "copies from this pool run synchronously", nbytes, err)
+        return buf, None
+    return buf, lambda: cudart.cudaHostUnregister(ptr)

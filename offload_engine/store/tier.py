@@ -8,7 +8,7 @@ import torch
 
 from ..checkpoint.naming import UnitKey
 from ..errors import out_of_memory_as_error
-from .hostmem import host_buffer
+from .hostmem import host_buffer, pinned_host_buffer
 from .ledger import Ledger
 
 
@@ -46,23 +46,31 @@ class Tier:
     # slots handed to a prefetch and marked stale, per kind: registers pruned when read (their flags decide)
     prefetched: dict[str, dict[int, Slot]] = field(default_factory=dict)
     stale: dict[str, dict[int, Slot]] = field(default_factory=dict)
+    unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
-        """`count` slots of `slot_bytes`, charged before they are allocated. Plain CPU memory: one huge-page
-        region for the pool (store.hostmem), sliced into slots (slot_bytes is a multiple of 64, so typed views
-        stay aligned); pinned or device memory: one torch allocation per slot."""
+        """`count` slots of `slot_bytes`, charged before they are allocated. CPU memory: one huge-page region for
+        the pool (store.hostmem), sliced into slots (slot_bytes is a multiple of 64, so typed views stay aligned),
+        page-locked in place with `pin_memory` (CUDA host tier); device memory: one torch allocation per slot."""
         pool = self.pools.setdefault(kind, [])
-        if self.device.type == "cpu" and not pin_memory:
+        if self.device.type == "cpu":
             nbytes = count * slot_bytes
             blobs = self._charged(ledger, kind, nbytes, f"{count} {kind} slots of {slot_bytes} bytes",
-                                  lambda: host_buffer(nbytes).split(slot_bytes)) if count else ()
+                                  lambda: self._region(nbytes, pin_memory).split(slot_bytes)) if count else ()
         else:
             blobs = [self._charged(ledger, kind, slot_bytes, f"{kind} slot of {slot_bytes} bytes",
-                                   lambda: torch.empty(slot_bytes, dtype=torch.uint8, device=self.device,
-                                                       pin_memory=pin_memory))
+                                   lambda: torch.empty(slot_bytes, dtype=torch.uint8, device=self.device))
                      for _ in range(count)]
         pool.extend([Slot(self.name, kind, index, blob) for index, blob in enumerate(blobs, start=len(pool))])
         self.free[kind] = [s for s in reversed(pool) if s.key is None]  # taken from the end: lowest index first
+
+    def _region(self, nbytes: int, pin_memory: bool) -> torch.Tensor:
+        if not pin_memory:
+            return host_buffer(nbytes)
+        buf, unpin = pinned_host_buffer(nbytes)
+        if unpin is not None:
+            self.unpin.append(unpin)
+        return buf
 
     def _charged(self, ledger: Ledger, kind: str, nbytes: int, what: str, allocate):
         ledger.charge(self.name, nbytes, f"{kind} slots")
@@ -108,6 +116,8 @@ class Tier:
         return list(slots.values())
 
     def free_all(self, ledger: Ledger) -> None:
+        while self.unpin:  # page-locked pools back to pageable before their last views go
+            self.unpin.pop()()
         for kind, pool in self.pools.items():
             for slot in pool:
                 ledger.credit(self.name, slot.blob.numel(), f"{kind} slots")
