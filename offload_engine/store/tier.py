@@ -49,22 +49,21 @@ class Tier:
     unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
-        """`count` slots of `slot_bytes`, charged before they are allocated. CPU memory: one huge-page region for
-        the pool (store.hostmem), sliced into slots (slot_bytes is a multiple of 64, so typed views stay aligned),
-        page-locked in place with `pin_memory` (CUDA host tier); device memory: one torch allocation per slot."""
+        """`count` slots of `slot_bytes`, charged before they are allocated: one allocation per pool, sliced into
+        slots (slot_bytes is a multiple of 64, so typed views stay aligned). CPU memory: a huge-page region
+        (store.hostmem), page-locked in place with `pin_memory` (CUDA host tier); device memory: torch's."""
         pool = self.pools.setdefault(kind, [])
-        if self.device.type == "cpu":
-            nbytes = count * slot_bytes
-            blobs = self._charged(ledger, kind, nbytes, f"{count} {kind} slots of {slot_bytes} bytes",
-                                  lambda: self._region(nbytes, pin_memory).split(slot_bytes)) if count else ()
-        else:
-            blobs = [self._charged(ledger, kind, slot_bytes, f"{kind} slot of {slot_bytes} bytes",
-                                   lambda: torch.empty(slot_bytes, dtype=torch.uint8, device=self.device))
-                     for _ in range(count)]
+        nbytes = count * slot_bytes
+        blobs = self._charged(ledger, kind, nbytes, f"{count} {kind} slots of {slot_bytes} bytes",
+                              lambda: self._region(nbytes, pin_memory).split(slot_bytes)) if count else ()
         pool.extend([Slot(self.name, kind, index, blob) for index, blob in enumerate(blobs, start=len(pool))])
         self.free[kind] = [s for s in reversed(pool) if s.key is None]  # taken from the end: lowest index first
 
     def _region(self, nbytes: int, pin_memory: bool) -> torch.Tensor:
+        """One allocation per pool. On a GPU too: the CUDA caching allocator serves 1-10 MiB requests from 20 MiB
+        segments, so slot-sized allocations would reserve more VRAM than the ledger charged."""
+        if self.device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if not pin_memory:
             return host_buffer(nbytes)
         buf, unpin = pinned_host_buffer(nbytes)
