@@ -69,14 +69,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """None: OFFLOAD_ENGINE_DEVICE if set (the test suite sets 'cpu'), else cuda when available, else cpu."""
+    source = "--device"
     if device is None:
-        device = os.environ.get("OFFLOAD_ENGINE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = os.environ.get("OFFLOAD_ENGINE_DEVICE")
+        source = "OFFLOAD_ENGINE_DEVICE"
+        if not device:
+            device, source = ("cuda" if torch.cuda.is_available() else "cpu"), "--device"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"--device {device!r} is not a device (expected 'cpu', 'cuda' or 'cuda:N')") from None
+        raise ConfigError(f"{source} {device!r} is not a device (expected 'cpu', 'cuda' or 'cuda:N')") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device!r} requested but CUDA is not available on this machine")
+        raise ConfigError(f"{source} {device!r} requested but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r} is not supported (expected 'cpu' or 'cuda')")
+        raise ConfigError(f"{source} {device!r} is not supported (expected 'cpu' or 'cuda')")
     return dev

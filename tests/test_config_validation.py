@@ -191,3 +191,21 @@ def test_config_on_disk_is_what_the_tests_think(tmp_path):
     d = build(tmp_path, config_overrides={"num_hidden_layers": 10**9, "rope_theta": None})
     cfg = json.loads((d / m.CONFIG).read_text())
     assert cfg["num_hidden_layers"] == 10**9 and "rope_theta" not in cfg
+
+
+def test_the_default_device_comes_from_the_environment_and_bad_values_name_their_source(monkeypatch):
+    from offload_engine.config import resolve_device
+    from offload_engine.errors import ConfigError
+
+    monkeypatch.setenv("OFFLOAD_ENGINE_DEVICE", "cpu")
+    assert resolve_device(None) == torch.device("cpu")
+    monkeypatch.setenv("OFFLOAD_ENGINE_DEVICE", "tpu")
+    with pytest.raises(ConfigError, match="OFFLOAD_ENGINE_DEVICE 'tpu'"):
+        resolve_device(None)
+    with pytest.raises(ConfigError, match="--device 'nonsense'"):
+        resolve_device("nonsense")
+    monkeypatch.delenv("OFFLOAD_ENGINE_DEVICE")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device("cuda")
