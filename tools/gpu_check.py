@@ -25,6 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,12 +152,15 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
     for ram, mode, prefetch, gds, host_compute in runs:
         name = f"ram={ram} prefetch={mode} gds={gds} host={host_compute}"
         os.environ["OFFLOAD_ENGINE_GDS"] = gds
+        rss_before = psutil.Process().memory_info().rss
         try:
             with Engine.open(model_dir, budget=Budget(vram=vram, ram=ram), device=device, dtype="bfloat16",
                              max_context=512, prefetch=prefetch, host_compute=host_compute) as engine:
                 engine.generate(list(range(40, 48)), max_new_tokens=8, ignore_eos=True)  # warm-up
                 c = engine.generate(list(range(1, 33)), max_new_tokens=32, ignore_eos=True)
                 used_gds = engine.store.gds is not None
+                # the process's growth against the host budget: pinned pools must be the bytes charged
+                rss_growth = psutil.Process().memory_info().rss - rss_before
         except Exception as e:  # one budget refused must not hide the other runs
             results[name] = {"error": repr(e)}
             continue
@@ -169,7 +173,7 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
                                        "bytes_host_to_device", "io_wait_s", "expert_reads", "hits", "misses",
                                        "host_computed",
                                        "peak_bytes", "budget_bytes")},
-            "gds_reader": used_gds, "tokens_equal_first_run": c.token_ids == reference,
+            "gds_reader": used_gds, "tokens_equal_first_run": c.token_ids == reference, "rss_growth": rss_growth,
             "route_ahead": prefetched.get("route_ahead"), "recall_effective": prefetched.get("recall_effective"),
             "pay_check_verdicts": prefetched.get("pay_check_verdicts")}
     return results
@@ -219,7 +223,8 @@ def main() -> int:
     engine = report.get("engine", {})
     if engine and "error" not in engine:
         print(f"\n{'engine run (VRAM ' + str(engine['vram_bytes'] >> 20) + ' MiB)':<44} {'tok/s':>7} {'hit':>5} "
-              f"{'MB disk/tok':>11} {'GB h2d':>7} {'on CPU':>6} {'wait s':>7} {'gds':>5} {'same tokens':>11}")
+              f"{'MB disk/tok':>11} {'GB h2d':>7} {'on CPU':>6} {'wait s':>7} {'gds':>5} {'same tokens':>11} "
+              f"{'RSS+ / host budget':>18}")
         for name, row in engine.items():
             if not isinstance(row, dict):
                 continue
@@ -229,7 +234,8 @@ def main() -> int:
             print(f"{name:<44} {row['decode_tok_s']:7.1f} {row['hit_rate']:5.2f} "
                   f"{row['bytes_read_disk_per_token'] / 1e6:11.1f} {row['bytes_host_to_device'] / 1e9:7.2f} "
                   f"{row['host_computed']:6d} {row['io_wait_s']:7.3f} {str(row['gds_reader']):>5} "
-                  f"{str(row['tokens_equal_first_run']):>11}")
+                  f"{str(row['tokens_equal_first_run']):>11} "
+                  f"{row['rss_growth'] / 2**30:8.2f}/{row['budget_bytes']['host'] / 2**30:.2f} GiB")
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0
