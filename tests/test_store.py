@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload_engine import Budget, BudgetError, Engine, IOFault
+from offload_engine.errors import ConfigError
 from offload_engine.runtime.moe import routed_experts
 from offload_engine.store.disk import read_range
 
@@ -271,3 +272,9 @@ def test_embedding_rows_are_read_on_demand_when_not_pinned(checkpoint_factory, d
         assert store.stats.bytes_read_disk == before and torch.equal(w["weight"], table[[3, 5]])
     with Engine.open(path, max_context=CONTEXT) as engine:  # everything fits: held whole, looked up in place
         assert engine.store is None or engine.store.rows(key, torch.tensor([1])) is None
+
+
+def test_a_bad_gds_setting_is_refused_by_name(checkpoint_factory, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ENGINE_GDS", "maybe")
+    with pytest.raises(ConfigError, match="OFFLOAD_ENGINE_GDS"):
+        Engine.open(checkpoint_factory("qwen3_moe", "offload"), budget=Budget(ram="50%"))
