@@ -397,8 +397,13 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
 
 
 def _host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:
-    """Only where the host tier caches experts apart from the compute tier, and for "auto" only on a GPU."""
-    if mode == "off" or store.host is None or not store.host.pools.get("expert") or (mode == "auto" and not rates):
+    """Only where the host tier caches experts apart from the compute tier (more slots than the staging ones CUDA
+    reads pass through: a unit held for host compute must never leave a reader without one), and for "auto"
+    only on a GPU."""
+    if mode == "off" or store.host is None or (mode == "auto" and not rates):
+        return None
+    staging = store.placement.tiers[1].staging_slots.get("expert", 0)
+    if len(store.host.pools.get("expert", ())) <= staging:
         return None
     layouts = [l for k, l in store.checkpoint.layouts.items() if k.kind == "expert"]
     biggest = max(layouts, key=lambda l: l.nbytes)
