@@ -216,7 +216,7 @@ def what_ifs(base: Plan) -> list[WhatIf]:
     if prof.has_gpu:
         out.append(attempt(f"PCIe x2 ({prof.pcie_gbps:g} -> {2 * prof.pcie_gbps:g} GB/s)",
                            prof.with_changes(pcie_gbps=2 * prof.pcie_gbps)))
-        out.append(attempt(f"GPU memory bandwidth x2", prof.with_changes(gpu_mem_gbps=2 * prof.gpu_mem_gbps)))
+        out.append(attempt("GPU memory bandwidth x2", prof.with_changes(gpu_mem_gbps=2 * prof.gpu_mem_gbps)))
         if not o.host_compute and shape.moe_layers:
             out.append(attempt("compute host-resident experts on the CPU", host_compute=True))
     else:

@@ -20,7 +20,7 @@ from ..checkpoint.naming import ModelSchema, TensorSpec, UnitKey
 from ..errors import ConfigError
 from . import costs
 from .hardware import HardwareProfile
-from .placement import KindSize, Placement, kind_sizes, plan_placement
+from .placement import Placement, kind_sizes, plan_placement
 from .sizes import param_counts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -68,7 +68,6 @@ def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
 
     gpu_gbps = gw.numel() * gw.element_size() / _best_seconds(gpu_linear)
     gpu_op = _best_seconds(gpu_small_ops, 3) / 200
-    del gw, gx
     h2d = measure_h2d_bandwidth(32 << 20, device=device)
     gpu_flops = measure_gpu_matmul_flops(2048, dtype, device=device)
     cpu_flops = measure_cpu_matmul_flops(256, dtype)
