@@ -78,6 +78,10 @@ class TierPlan:
     def used(self, sizes: dict[str, KindSize]) -> int:
         return self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes + self.row_cache_bytes
 
+    def caches(self, kind: str) -> bool:
+        """Whether this tier keeps units of `kind` beyond the staging slots reads pass through."""
+        return self.slots.get(kind, 0) > self.staging_slots.get(kind, 0)
+
 
 @dataclass
 class Placement:

@@ -107,8 +107,7 @@ class TieredStore:
         # copy runs at tens of GB/s, a re-read at disk speed); measured on an H200 (docs/PERF.md): with GPUDirect
         # taking every read, a 50% RAM budget held no expert at all.
         host_plan = placement.tiers[1] if len(placement.tiers) > 1 else None
-        self.gds_kinds = {kind for kind in placement.sizes
-                          if host_plan is None or host_plan.slots.get(kind, 0) <= host_plan.staging_slots.get(kind, 0)}
+        self.gds_kinds = {kind for kind in placement.sizes if host_plan is None or not host_plan.caches(kind)}
         for key, layout in checkpoint.layouts.items():
             if placement.by_rows(key.kind):
                 row_tensor(layout)  # a table, or a ConfigError now rather than at the first lookup
