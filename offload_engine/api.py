@@ -291,6 +291,7 @@ class Engine:
                            if store["read_busy_s"] > 0 else 1.0),
             "hit_rate": _hit_rate(store, self.store.compute.name),
             "prefetch": _prefetch_stats(self.model.prefetcher, store["expert_reads"]),
+            "host_compute": self.model.host_compute.summary() if self.model.host_compute else {"mode": "off"},
             "budget_bytes": _tiers(ledger.budgets()),
             "peak_bytes": _tiers(ledger.peak()),
             "device": str(self.device),

@@ -164,6 +164,20 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache Linux reports for cpu0 (sysfs), or None where it reports none. A bandwidth probe's
+    working set must be several times this or it times the cache, not RAM (servers carry 100+ MiB of L3)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes) if sizes else None
+
+
 def measure_memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Bandwidth:
     """Bytes copied per second by one large torch copy_ between two RAM buffers (each byte is read once and
     written once, so memory traffic is twice the figure). The first copy warms the pages and is not timed."""

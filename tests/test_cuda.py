@@ -12,6 +12,7 @@ import torch
 from offload_engine import Budget, Engine, PrefetchConfig
 from offload_engine.errors import IOFault
 
+from tests.test_prefetch import SlowReads
 from tests.test_store import CONTEXT, NEW, PROMPT, Faulty
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,9 +44,11 @@ def test_vram_budgets_match_resident(cuda_reference, monkeypatch, vram, ram, gds
     stats = completion.stats
     for tier in ("device", "host"):
         assert stats["peak_bytes"][tier] <= stats["budget_bytes"][tier]
-    assert stats["misses"]["device"] > 0 and stats["bytes_read_disk"] > 0
-    if ram == "100%":  # the host caches every expert: misses in VRAM are served by pinned copies, GDS or not
-        assert stats["hits"]["host"] > 0 and stats["bytes_host_to_device"] > 0
+    assert stats["misses"]["device"] > 0
+    if ram == "100%":  # the host was filled at open: misses in VRAM are served by pinned copies, GDS or not
+        assert stats["hits"]["host"] > 0 and stats["bytes_host_to_device"] > 0 and stats["bytes_read_disk"] == 0
+    else:
+        assert stats["bytes_read_disk"] > 0
     if gds == "off":
         assert not used_gds
 
@@ -109,9 +112,12 @@ def test_read_fault_on_the_host_bounce_path_surfaces_and_the_engine_recovers(che
 
 
 def test_route_ahead_prefetch_on_cuda_is_lossless(cuda_reference):
-    """Prefetch always on (no pay check): reads ahead land on the copy stream while the compute stream runs."""
+    """Route ahead without the pay check: a layer waiting for disk reads (slowed, as from a slow drive: reads of
+    these small checkpoints otherwise land before anyone waits) predicts the next layers' experts and reads them
+    ahead; their copies land on the copy stream while the compute stream runs."""
     path, ref_logits, ref = cuda_reference
-    _, completion, _ = run(path, budget=Budget(vram="10%", ram="40%"), prefetch=PrefetchConfig(adaptive=False))
+    _, completion, _ = run(path, budget=Budget(vram="10%", ram="40%"), direct_io="off", read_fn=SlowReads(0.003),
+                           prefetch=PrefetchConfig(adaptive=False, reads=0, route_ahead=2))
     assert completion.token_ids == ref.token_ids
     assert completion.stats["expert_reads"]["ahead"] > 0
 

@@ -13,6 +13,8 @@ from offload_engine import Budget, Engine
 from offload_engine.cli import main
 from offload_engine.errors import ConfigError
 from offload_engine.planner.costs import Machine, host_compute_pays
+from offload_engine.probe import last_level_cache_bytes
+from offload_engine.runtime.host_compute import HostCompute
 from tests.test_store import CONTEXT, NEW, PROMPT, run
 
 
@@ -77,6 +79,22 @@ def test_the_rule_weighs_the_link_against_the_cpu():
     assert not host_compute_pays(*EXPERT, 1, cpu_engine)
 
 
+def test_stats_show_the_rules_two_sides():
+    """auto's summary (stats["host_compute"]) holds both sides of the rule for one token, so a run shows why."""
+    for box in (machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0), machine(55.5, 20.0, 1.0)):
+        auto = HostCompute("auto", box, *EXPERT)
+        summary = auto.summary()
+        assert (summary["host_expert_us"] < summary["copied_expert_us"]) == auto.wants(1)
+        assert summary["cpu_gbps"] == box.cpu_gbps and summary["h2d_gbps"] == box.h2d_gbps
+    assert HostCompute("on", None, *EXPERT).summary() == {"mode": "on"}
+
+
+def test_the_last_level_cache_size_is_read_in_bytes():
+    """measure_machine sizes its CPU probe 4x past it (a CUDA-only path; gpu_check reports its rates)."""
+    llc = last_level_cache_bytes()
+    assert llc is None or 16 << 10 <= llc <= 4 << 30  # sysfs sizes parsed ("32768K") to bytes
+
+
 def test_cli_host_compute_flag(checkpoint_factory, capsys):
     path = checkpoint_factory("qwen3_moe", "offload")
     base = ["run", "--model", str(path), "--vram", "8%", "--ram", "100%", "--context", "64", "--max-new-tokens", "8",
@@ -88,3 +106,4 @@ def test_cli_host_compute_flag(checkpoint_factory, capsys):
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[0]["stats"]["host_computed"] == 0 < outs[1]["stats"]["host_computed"]
+    assert [o["stats"]["host_compute"]["mode"] for o in outs] == ["off", "on"]

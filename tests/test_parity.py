@@ -62,7 +62,7 @@ def test_decode_token_by_token_matches_prefill(checkpoint_factory):
     """The KV-cache path: logits of a token decoded after a prefill equal those of one long prefill."""
     with Engine.open(checkpoint_factory("qwen3_moe")) as engine:
         ids = prompt_ids(engine.model.vocab_size)
-        full = engine.logits(ids)
+        full = engine.logits(ids).to(engine.device)
         model = engine.model
         cache = model.new_cache(len(ids))
         model.forward(torch.tensor(ids[:48], device=engine.device), cache)

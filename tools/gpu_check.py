@@ -68,9 +68,11 @@ def gds_read(nbytes: int = 512 << 20) -> dict:
             n = cf.pread(dev, nbytes, 0).get()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t
-        defaults = getattr(kvikio, "defaults", None)
-        try:  # kvikio >= 25: defaults.get(name); older: defaults.compat_mode()
+        try:  # a submodule kvikio's __init__ leaves unimported; >= 25: defaults.get(name), older: compat_mode()
+            import kvikio.defaults as defaults
             compat = defaults.get("compat_mode") if hasattr(defaults, "get") else defaults.compat_mode()
+            compat = f"{compat} (POSIX preferred: {defaults.is_compat_mode_preferred()})" \
+                if hasattr(defaults, "is_compat_mode_preferred") else compat
         except Exception as e:
             compat = f"unknown ({e!r})"
         return {"available": True, "GBps": n / seconds / 1e9, "bytes": n, "compat_mode": str(compat)}
@@ -148,16 +150,19 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
         ("off", False), ("on", PrefetchConfig(adaptive=False)), ("adaptive", adaptive))] + [
         ("50%", "adaptive", adaptive, "off", "off"), ("15%", "adaptive", adaptive, "auto", "off"),
         ("50%", "adaptive", adaptive, "auto", "auto"), ("50%", "adaptive", adaptive, "auto", "on")]
+    runs.append(runs[0])  # the first run again, last: the machine's drift across the runs, apart from the configs
     reference = None
-    for ram, mode, prefetch, gds, host_compute in runs:
-        name = f"ram={ram} prefetch={mode} gds={gds} host={host_compute}"
+    for i, (ram, mode, prefetch, gds, host_compute) in enumerate(runs):
+        name = f"ram={ram} prefetch={mode} gds={gds} host={host_compute}" + (" again" if i == len(runs) - 1 else "")
         os.environ["OFFLOAD_ENGINE_GDS"] = gds
         rss_before = psutil.Process().memory_info().rss
         try:
             with Engine.open(model_dir, budget=Budget(vram=vram, ram=ram), device=device, dtype="bfloat16",
                              max_context=512, prefetch=prefetch, host_compute=host_compute) as engine:
                 engine.generate(list(range(40, 48)), max_new_tokens=8, ignore_eos=True)  # warm-up
+                cpu_before = sum(psutil.Process().cpu_times()[:2])
                 c = engine.generate(list(range(1, 33)), max_new_tokens=32, ignore_eos=True)
+                cpu_s = sum(psutil.Process().cpu_times()[:2]) - cpu_before  # all threads: user + system
                 used_gds = engine.store.gds is not None
                 # the process's growth against the host budget: pinned pools must be the bytes charged
                 rss_growth = psutil.Process().memory_info().rss - rss_before
@@ -171,9 +176,10 @@ def engine_bench(scratch: Path, layers: int, device: str = "cuda") -> dict:
         results[name] = {
             **{k: c.stats[k] for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_disk_per_token",
                                        "bytes_host_to_device", "io_wait_s", "expert_reads", "hits", "misses",
-                                       "host_computed",
+                                       "host_computed", "host_compute",
                                        "peak_bytes", "budget_bytes")},
             "gds_reader": used_gds, "tokens_equal_first_run": c.token_ids == reference, "rss_growth": rss_growth,
+            "cpu_s": cpu_s, "wall_s": c.stats["prefill_s"] + c.stats["decode_s"],
             "route_ahead": prefetched.get("route_ahead"), "recall_effective": prefetched.get("recall_effective"),
             "pay_check_verdicts": prefetched.get("pay_check_verdicts")}
     return results
@@ -222,20 +228,27 @@ def main() -> int:
         print(f"{name:<8} {time.perf_counter() - t:6.1f}s  {json.dumps(report[name])[:300]}")
     engine = report.get("engine", {})
     if engine and "error" not in engine:
-        print(f"\n{'engine run (VRAM ' + str(engine['vram_bytes'] >> 20) + ' MiB)':<44} {'tok/s':>7} {'hit':>5} "
+        print(f"\n{'engine run (VRAM ' + str(engine['vram_bytes'] >> 20) + ' MiB)':<50} {'tok/s':>7} {'hit':>5} "
               f"{'MB disk/tok':>11} {'GB h2d':>7} {'on CPU':>6} {'wait s':>7} {'gds':>5} {'same tokens':>11} "
-              f"{'RSS+ / host budget':>18}")
+              f"{'RSS+ / host budget':>18} {'CPU/wall':>8}")
         for name, row in engine.items():
             if not isinstance(row, dict):
                 continue
             if "error" in row:
-                print(f"{name:<44} {row['error'][:70]}")
+                print(f"{name:<50} {row['error'][:70]}")
                 continue
-            print(f"{name:<44} {row['decode_tok_s']:7.1f} {row['hit_rate']:5.2f} "
+            print(f"{name:<50} {row['decode_tok_s']:7.1f} {row['hit_rate']:5.2f} "
                   f"{row['bytes_read_disk_per_token'] / 1e6:11.1f} {row['bytes_host_to_device'] / 1e9:7.2f} "
                   f"{row['host_computed']:6d} {row['io_wait_s']:7.3f} {str(row['gds_reader']):>5} "
                   f"{str(row['tokens_equal_first_run']):>11} "
-                  f"{row['rss_growth'] / 2**30:8.2f}/{row['budget_bytes']['host'] / 2**30:.2f} GiB")
+                  f"{row['rss_growth'] / 2**30:8.2f}/{row['budget_bytes']['host'] / 2**30:.2f} GiB"
+                  f" {row['cpu_s'] / row['wall_s']:8.2f}")
+        for name, row in engine.items():  # auto's rule, from the rates it measured at open
+            rule = row.get("host_compute", {}) if isinstance(row, dict) else {}
+            if "host_expert_us" in rule:
+                print(f"{name}: one expert, one token: CPU {rule['host_expert_us']:.0f} us vs copy + GPU "
+                      f"{rule['copied_expert_us']:.0f} us (CPU {rule['cpu_gbps']:.1f} GB/s, "
+                      f"H2D {rule['h2d_gbps']:.1f} GB/s, CPU op {rule['cpu_op_us']:.1f} us)")
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0

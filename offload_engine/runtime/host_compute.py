@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..planner.costs import Machine, host_compute_pays
-from ..probe import best_time, measure_cpu_matmul_flops, measure_gpu_matmul_flops, measure_h2d_bandwidth
+from ..planner.costs import Machine, expert_copied_seconds, expert_host_seconds, host_compute_pays
+from ..probe import (best_time, last_level_cache_bytes, measure_cpu_matmul_flops, measure_gpu_matmul_flops,
+                     measure_h2d_bandwidth)
 
 HOST_COMPUTE_MODES = ("off", "on", "auto")
 
@@ -38,6 +39,17 @@ class HostCompute:
         """Compute on the host an expert routed `tokens` tokens of this forward."""
         return self.mode == "on" or host_compute_pays(self.expert_bytes, self.expert_params, tokens, self.machine)
 
+    def summary(self) -> dict:
+        """For stats: the mode, and for auto the rule's two sides for one token's expert (microseconds) from the
+        rates measured at open, so a run shows why experts were or were not computed on the host."""
+        if self.machine is None:
+            return {"mode": self.mode}
+        m, args = self.machine, (self.expert_bytes, self.expert_params, 1)
+        return {"mode": self.mode, "host_expert_us": expert_host_seconds(*args, m) * 1e6,
+                "copied_expert_us": expert_copied_seconds(*args, m) * 1e6,
+                "cpu_gbps": m.cpu_gbps, "h2d_gbps": m.h2d_gbps, "gpu_gbps": m.weight_gbps,
+                "cpu_op_us": m.cpu_op_us, "gpu_op_us": m.op_us}
+
 
 def _best_seconds(fn, repeats: int = 5) -> float:
     fn()  # warm-up: first calls pick kernels and touch outputs
@@ -48,8 +60,13 @@ def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
     """The rates the rule needs, measured in well under a second: pinned host -> device copies, batch-1 matmuls on
     the GPU and on the CPU in the compute dtype (the CPU's rate for bf16 differs widely between processors), and
     the dispatch cost of one small op on each. Run before the store allocates, so the probes' transient buffers
-    (about 100 MiB) never meet a full budget. nvme_* are unused by the rule."""
-    ws = [torch.randn(1024, 1024, dtype=dtype) for _ in range(16)]  # decode-sized, cycled past the caches
+    (256 MiB or more) never meet a full budget. nvme_* are unused by the rule."""
+    # decode-sized matrices cycled through a working set 4x past the last-level cache: an H200 host's CPU timed
+    # on 32 MiB (its L3 holds that) read 'faster than the copy', and host compute then cost 35% of decode speed
+    probe_bytes = min(max(256 << 20, 4 * (last_level_cache_bytes() or 0)), 1 << 30)
+    rows = 4096
+    ws = [torch.full((rows, 1024), 0.5, dtype=dtype)
+          for _ in range(max(1, probe_bytes // (rows * 1024 * torch.finfo(dtype).bits // 8)))]
     x = torch.randn(1, 1024, dtype=dtype)
     cpu_gbps = sum(w.numel() * w.element_size() for w in ws) / _best_seconds(lambda: [F.linear(x, w) for w in ws])
     tw, tx = torch.randn(64, 64), torch.randn(1, 64)
