@@ -189,6 +189,29 @@ def measure_memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Bandw
                      "cpu")
 
 
+def measure_cpu_gemv_bandwidth(dtype: torch.dtype = torch.float32, nbytes: int | None = None,
+                               repeats: int = 5) -> Bandwidth:
+    """Weight bytes per second one-token matmuls (GEMV, decode's shape) read on the CPU, cycling 4096 x 1024
+    matrices through `nbytes` (default: 4x the last-level cache, 256 MiB to 1 GiB: a server's L3 holds 100+ MiB,
+    and a probe that fits in it times the cache, not RAM). One allocation, so it goes back to the OS when freed
+    (glibc serves blocks under 32 MiB from its heap, which keeps them: the process would grow by the probe)."""
+    nbytes = nbytes or min(max(256 * MiB, 4 * (last_level_cache_bytes() or 0)), 1 << 30)
+    rows, cols = 4096, 1024
+    size = torch.finfo(dtype).bits // 8 * rows * cols
+    count = max(1, nbytes // size)
+    ws = torch.full((count, rows, cols), 0.5, dtype=dtype)
+    x = torch.randn(1, cols, dtype=dtype)
+
+    def gemvs():
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+
+    gemvs()  # warm-up: first calls pick kernels
+    seconds = best_time(gemvs, repeats)
+    return Bandwidth(count * size / seconds, count * size, seconds, f"torch linear, 1 x {cols} by {rows} x {cols}",
+                     size, torch.get_num_threads(), "cpu")
+
+
 def measure_cpu_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> Throughput:
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)

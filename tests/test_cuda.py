@@ -116,7 +116,8 @@ def test_route_ahead_prefetch_on_cuda_is_lossless(cuda_reference):
     these small checkpoints otherwise land before anyone waits) predicts the next layers' experts and reads them
     ahead; their copies land on the copy stream while the compute stream runs."""
     path, ref_logits, ref = cuda_reference
-    _, completion, _ = run(path, budget=Budget(vram="10%", ram="40%"), direct_io="off", read_fn=SlowReads(0.003),
+    # VRAM 25%: at 10% deepseek_v3's device tier has no expert slot to spare for a read ahead (measured on CPU)
+    _, completion, _ = run(path, budget=Budget(vram="25%", ram="40%"), direct_io="off", read_fn=SlowReads(0.003),
                            prefetch=PrefetchConfig(adaptive=False, reads=0, route_ahead=2))
     assert completion.token_ids == ref.token_ids
     assert completion.stats["expert_reads"]["ahead"] > 0

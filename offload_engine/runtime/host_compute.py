@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..planner.costs import Machine, expert_copied_seconds, expert_host_seconds, host_compute_pays
-from ..probe import (best_time, last_level_cache_bytes, measure_cpu_matmul_flops, measure_gpu_matmul_flops,
+from ..probe import (best_time, measure_cpu_gemv_bandwidth, measure_cpu_matmul_flops, measure_gpu_matmul_flops,
                      measure_h2d_bandwidth)
 
 HOST_COMPUTE_MODES = ("off", "on", "auto")
@@ -60,30 +60,31 @@ def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
     """The rates the rule needs, measured in well under a second: pinned host -> device copies, batch-1 matmuls on
     the GPU and on the CPU in the compute dtype (the CPU's rate for bf16 differs widely between processors), and
     the dispatch cost of one small op on each. Run before the store allocates, so the probes' transient buffers
-    (256 MiB or more) never meet a full budget. nvme_* are unused by the rule."""
-    # decode-sized matrices cycled through a working set 4x past the last-level cache: an H200 host's CPU timed
-    # on 32 MiB (its L3 holds that) read 'faster than the copy', and host compute then cost 35% of decode speed
-    probe_bytes = min(max(256 << 20, 4 * (last_level_cache_bytes() or 0)), 1 << 30)
-    rows = 4096
-    ws = [torch.full((rows, 1024), 0.5, dtype=dtype)
-          for _ in range(max(1, probe_bytes // (rows * 1024 * torch.finfo(dtype).bits // 8)))]
-    x = torch.randn(1, 1024, dtype=dtype)
-    cpu_gbps = sum(w.numel() * w.element_size() for w in ws) / _best_seconds(lambda: [F.linear(x, w) for w in ws])
+    (256 MiB to 1 GiB, back to the OS before the pools allocate) never meet a full budget. nvme_* are unused by
+    the rule."""
+    # the working set reaches past the last-level cache: an H200 host's CPU timed on 32 MiB (its 300 MiB L3 holds
+    # that) read 'faster than the copy'
+    cpu_gbps = measure_cpu_gemv_bandwidth(dtype).bytes_per_s
     tw, tx = torch.randn(64, 64), torch.randn(1, 64)
     cpu_op = _best_seconds(lambda: [F.linear(tx, tw) for _ in range(200)], 3) / 200
-    gw = torch.randn(4096, 4096, dtype=dtype, device=device)
+    # 128 MiB (bf16) past an H200's 50 MiB L2, ten GEMVs a sync: one GEMV a sync timed the sync (651 GB/s)
+    gw = torch.randn(16384, 4096, dtype=dtype, device=device)
     gx = torch.randn(1, 4096, dtype=dtype, device=device)
 
     def gpu_linear():
-        F.linear(gx, gw)
+        for _ in range(10):
+            F.linear(gx, gw)
         torch.cuda.synchronize(device)
+
+    sw, sx = gw[:64, :64].contiguous(), gx[:, :64].contiguous()  # one op, as on the CPU (slicing in the loop
+    # tripled the ops timed: 35 us an 'op' on the H200 machine)
 
     def gpu_small_ops():
         for _ in range(200):
-            F.linear(gx[:, :64], gw[:64, :64])
+            F.linear(sx, sw)
         torch.cuda.synchronize(device)
 
-    gpu_gbps = gw.numel() * gw.element_size() / _best_seconds(gpu_linear)
+    gpu_gbps = 10 * gw.numel() * gw.element_size() / _best_seconds(gpu_linear)
     gpu_op = _best_seconds(gpu_small_ops, 3) / 200
     h2d = measure_h2d_bandwidth(32 << 20, device=device)
     gpu_flops = measure_gpu_matmul_flops(2048, dtype, device=device)
