@@ -228,7 +228,7 @@ class Engine:
     def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None
                ) -> Iterator[TokenEvent | FinishEvent]:
         with self._request():
-            before = self.store.stats.snapshot()
+            before = self._counters()
             cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
             spec_stats = SpecStats()
             draft = self.draft
@@ -246,7 +246,7 @@ class Engine:
                 if isinstance(event, FinishEvent):
                     event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event)}
                 elif decoding is None:
-                    decoding = self.store.stats.snapshot()
+                    decoding = self._counters()
                 yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
@@ -267,12 +267,16 @@ class Engine:
         with sigint_guarded(), self._request(), out_of_memory_as_error("logits"):
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
+    def _counters(self) -> dict[str, Any]:
+        """The store's counters and the model's own (time computing experts on the host), for per-request deltas."""
+        return {**self.store.stats.snapshot(), "host_compute_s": self.model.host_compute_s}
+
     def stats(self, finish: FinishEvent, before: dict | None = None, decoding: dict | None = None
               ) -> dict[str, Any]:
         """Per-request figures (store counters as deltas from `before`, a store snapshot taken at its start;
         `decoding`: one taken when the prefill's token came out, for the decode steps' own stall)."""
         n = len(finish.token_ids)
-        now = self.store.stats.snapshot()
+        now = self._counters()
         store = _delta(now, before or {})
         decode_wait = _delta(now, decoding)["io_wait_s"] if decoding else store["io_wait_s"]
         ledger = self.store.ledger
@@ -291,7 +295,10 @@ class Engine:
                            if store["read_busy_s"] > 0 else 1.0),
             "hit_rate": _hit_rate(store, self.store.compute.name),
             "prefetch": _prefetch_stats(self.model.prefetcher, store["expert_reads"]),
-            "host_compute": self.model.host_compute.summary() if self.model.host_compute else {"mode": "off"},
+            "host_compute": ({**self.model.host_compute.summary(),  # and what the computing took, per expert
+                              "measured_expert_us": store["host_compute_s"] / store["host_computed"] * 1e6
+                              if store["host_computed"] else None}
+                             if self.model.host_compute else {"mode": "off"}),
             "budget_bytes": _tiers(ledger.budgets()),
             "peak_bytes": _tiers(ledger.peak()),
             "device": str(self.device),

@@ -248,7 +248,10 @@ def main() -> int:
             if "host_expert_us" in rule:
                 print(f"{name}: one expert, one token: CPU {rule['host_expert_us']:.0f} us vs copy + GPU "
                       f"{rule['copied_expert_us']:.0f} us (CPU {rule['cpu_gbps']:.1f} GB/s, "
-                      f"H2D {rule['h2d_gbps']:.1f} GB/s, CPU op {rule['cpu_op_us']:.1f} us)")
+                      f"H2D {rule['h2d_gbps']:.1f} GB/s, GPU {rule['gpu_gbps']:.0f} GB/s, CPU op "
+                      f"{rule['cpu_op_us']:.1f} us, GPU op {rule['gpu_op_us']:.1f} us)")
+            if rule.get("measured_expert_us"):
+                print(f"{name}: experts computed on the host took {rule['measured_expert_us']:.0f} us each")
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0

@@ -51,6 +51,26 @@ class HostCompute:
                 "cpu_op_us": m.cpu_op_us, "gpu_op_us": m.op_us}
 
 
+@dataclass
+class HostInputs:
+    """A MoE layer's routing inputs (hidden states, expert indices, weights) on their way from the GPU to the
+    host: non-blocking copies into pinned memory, and an event that says when they have landed."""
+
+    tensors: tuple[torch.Tensor, ...]
+    landed: "torch.cuda.Event"
+
+    @classmethod
+    def stage(cls, *tensors: torch.Tensor) -> "HostInputs":
+        copies = tuple(t.to("cpu", non_blocking=True) for t in tensors)  # torch pins a non-blocking D2H target
+        landed = torch.cuda.Event()
+        landed.record()
+        return cls(copies, landed)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        self.landed.synchronize()
+        return self.tensors
+
+
 def _best_seconds(fn, repeats: int = 5) -> float:
     fn()  # warm-up: first calls pick kernels and touch outputs
     return best_time(fn, repeats)

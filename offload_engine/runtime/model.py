@@ -1,6 +1,7 @@
 """The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Callable
 
@@ -11,6 +12,7 @@ from ..checkpoint.naming import UnitKey
 from ..errors import BudgetError, out_of_memory_as_error
 from .kv_cache import KVCache
 from .layers import causal_mask
+from .host_compute import HostInputs
 from .moe import combine, expert_part, routed_experts
 from .weights import Weights, WeightSource, hold, lookup
 
@@ -30,6 +32,7 @@ class CausalLM:
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
         self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
         self.host_compute = None  # host_compute.HostCompute: experts the CPU computes where they lie in RAM
+        self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
         self.routing_trace: list[tuple[int, list[list[int]]]] | None = None  # set to [] to record routing
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
@@ -118,6 +121,9 @@ class CausalLM:
         else:
             tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
             units = self.source.acquire(keys, wait_work, on_host=lambda key: host.wants(tokens[key.expert]))
+        # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
+        # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
+        staged = HostInputs.stage(h, indices, weights) if host is not None and h.device.type == "cuda" else None
         elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the routing's inputs, moved once
         for key, ew in units:
             try:
@@ -125,10 +131,13 @@ class CausalLM:
                 if where == h.device:
                     parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
                 else:  # handed over from the host tier to be computed there
+                    start = time.perf_counter()
                     if where not in elsewhere:
-                        elsewhere[where] = (h.to(where), indices.to(where), weights.to(where))
+                        elsewhere[where] = (staged.wait() if staged is not None and where.type == "cpu"
+                                            else (h.to(where), indices.to(where), weights.to(where)))
                     tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
                     parts[key.expert] = (tok.to(h.device), y.to(h.device))
+                    self.host_compute_s += time.perf_counter() - start
             finally:
                 self.source.release([key])  # frees the slot for the next expert's read
         return output()
