@@ -18,6 +18,15 @@ from offload_engine.runtime.host_compute import HostCompute
 from tests.test_store import CONTEXT, NEW, PROMPT, run
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_cpu():
+    """These checks are the CPU's, bit for bit, whatever OFFLOAD_ENGINE_DEVICE the runner set: on a GPU a CPU
+    sums in another order (tests/test_cuda.py holds the GPU's: same tokens, logits to rounding)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OFFLOAD_ENGINE_DEVICE", "cpu")
+        yield
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "deepseek_v3"])
 def resident(request, checkpoint_factory):
     path = checkpoint_factory(request.param, "offload")
@@ -87,6 +96,20 @@ def test_stats_show_the_rules_two_sides():
         assert (summary["host_expert_us"] < summary["copied_expert_us"]) == auto.wants(1)
         assert summary["cpu_gbps"] == box.cpu_gbps and summary["h2d_gbps"] == box.h2d_gbps
     assert HostCompute("on", None, *EXPERT).summary() == {"mode": "on"}
+
+
+def test_auto_stops_where_observed_times_say_the_host_loses():
+    """auto weighs what host-computed experts took in this engine, not only the probes: decode's observations
+    (few tokens) enter a running average; a prefill's many-token expert leaves it alone."""
+    auto = HostCompute("auto", machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0), *EXPERT)
+    assert auto.wants(1)
+    auto.observe(1e-4, 256)  # prefill: not decode's rate
+    assert auto.observed_s is None and auto.wants(1)
+    auto.observe(1.4e-3, 1)  # the H200 machine's decode expert on the host
+    assert not auto.wants(1) and auto.summary()["observed_host_expert_us"] == pytest.approx(1400)
+    on = HostCompute("on", None, *EXPERT)
+    on.observe(1.0, 1)
+    assert on.wants(1)  # on computes every one, whatever it takes
 
 
 def test_the_cpu_probe_reads_past_the_cache_and_gives_its_memory_back():

@@ -158,12 +158,16 @@ def expert_copied_seconds(nbytes: float, params: float, tokens: float, m: Machin
             + OPS_PER_UNIT["expert"] * m.op_us * 1e-6)
 
 
-def host_compute_pays(nbytes: float, params: float, tokens: float, m: Machine) -> bool:
+def host_compute_pays(nbytes: float, params: float, tokens: float, m: Machine,
+                      observed_host_s: float | None = None) -> bool:
     """The one rule for computing a host-resident expert on the CPU instead of copying it to the GPU (the planner's
-    A5 and the engine's `host_compute="auto"`): only with a GPU and a host tier, only where it is faster."""
+    A5 and the engine's `host_compute="auto"`): only with a GPU and a host tier, only where it is faster.
+    `observed_host_s`: what an expert computed on the host took in this engine, where larger than the estimate
+    (the probes run on an idle CPU; in decode the readers, the GPU's dispatch and torch's thread pool share it)."""
     if m.compute != "gpu" or m.h2d_gbps is None:
         return False
-    return expert_host_seconds(nbytes, params, tokens, m) < expert_copied_seconds(nbytes, params, tokens, m)
+    host = max(expert_host_seconds(nbytes, params, tokens, m), observed_host_s or 0.0)
+    return host < expert_copied_seconds(nbytes, params, tokens, m)
 
 
 def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, host_compute: bool = False,

@@ -3,8 +3,8 @@
 `host_compute`: "off" (default: every expert is computed on the compute device, so the logits are those of the
 fully resident run bit for bit), "on" (every routed expert the host tier holds and the device tier does not), or
 "auto" (those for which planner.costs.host_compute_pays says the CPU is faster than copy + GPU, from rates
-measured when the engine opens). A CPU computes in another order than a GPU, so "on" and "auto" on a GPU give
-the same tokens as a rule but not the same bits. On a CPU machine with --vram (both tiers in RAM) "on" computes
+measured when the engine opens and the times host-computed experts then take). A CPU computes in another order
+than a GPU, so "on" and "auto" on a GPU give the same tokens as a rule but not the same bits. On a CPU machine with --vram (both tiers in RAM) "on" computes
 host-resident experts in place, skipping the RAM-to-RAM copy, bit for bit as the device pool would.
 """
 from __future__ import annotations
@@ -28,24 +28,42 @@ def check_host_compute(mode: str) -> str:
     return mode
 
 
-@dataclass(frozen=True)
+# decode's expert calls: few tokens, so one observed time stands for the next (prefill's are FLOP-bound: the
+# estimate, which grows with tokens, rules there)
+OBSERVED_TOKENS = 4
+OBSERVED_WEIGHT = 0.2  # of each new observation in the running average
+
+
+@dataclass
 class HostCompute:
     mode: str  # "on" | "auto"
     machine: Machine | None  # auto: the measured rates the rule weighs
     expert_bytes: int  # one expert in the host tier
     expert_params: int
+    observed_s: float | None = None  # auto: running average of what one decode expert took on the host
 
     def wants(self, tokens: int) -> bool:
         """Compute on the host an expert routed `tokens` tokens of this forward."""
-        return self.mode == "on" or host_compute_pays(self.expert_bytes, self.expert_params, tokens, self.machine)
+        return self.mode == "on" or host_compute_pays(self.expert_bytes, self.expert_params, tokens, self.machine,
+                                                      self.observed_s)
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One expert computed on the host took `seconds` (its inputs' wait and its result's copy back included).
+        auto stops choosing the host once these say it does not pay: on the H200 machine an expert the probes
+        put at 229 us took 1.4 ms in decode, and host compute cost 10-40% of decode speed."""
+        if tokens <= OBSERVED_TOKENS:
+            self.observed_s = seconds if self.observed_s is None else (
+                (1 - OBSERVED_WEIGHT) * self.observed_s + OBSERVED_WEIGHT * seconds)
 
     def summary(self) -> dict:
         """For stats: the mode, and for auto the rule's two sides for one token's expert (microseconds) from the
-        rates measured at open, so a run shows why experts were or were not computed on the host."""
+        rates measured at open and the times observed since, so a run shows why experts were or were not computed
+        on the host."""
         if self.machine is None:
             return {"mode": self.mode}
         m, args = self.machine, (self.expert_bytes, self.expert_params, 1)
         return {"mode": self.mode, "host_expert_us": expert_host_seconds(*args, m) * 1e6,
+                "observed_host_expert_us": None if self.observed_s is None else self.observed_s * 1e6,
                 "copied_expert_us": expert_copied_seconds(*args, m) * 1e6,
                 "cpu_gbps": m.cpu_gbps, "h2d_gbps": m.h2d_gbps, "gpu_gbps": m.weight_gbps,
                 "cpu_op_us": m.cpu_op_us, "gpu_op_us": m.op_us}

@@ -137,7 +137,9 @@ class CausalLM:
                                             else (h.to(where), indices.to(where), weights.to(where)))
                     tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
                     parts[key.expert] = (tok.to(h.device), y.to(h.device))
-                    self.host_compute_s += time.perf_counter() - start
+                    took = time.perf_counter() - start
+                    self.host_compute_s += took
+                    host.observe(took, tokens[key.expert])
             finally:
                 self.source.release([key])  # frees the slot for the next expert's read
         return output()
