@@ -14,7 +14,7 @@ from offload_engine.cli import main
 from offload_engine.errors import ConfigError
 from offload_engine.planner.costs import Machine, host_compute_pays
 from offload_engine.probe import last_level_cache_bytes, measure_cpu_gemv_bandwidth
-from offload_engine.runtime.host_compute import HostCompute
+from offload_engine.runtime.host_compute import OBSERVED_MIN, HostCompute
 from tests.test_store import CONTEXT, NEW, PROMPT, run
 
 
@@ -104,9 +104,13 @@ def test_auto_stops_where_observed_times_say_the_host_loses():
     auto = HostCompute("auto", machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0), *EXPERT)
     assert auto.wants(1)
     auto.observe(1e-4, 256)  # prefill: not decode's rate
+    auto.observe(3e-3, 1)  # the first, cold call: left out
     assert auto.observed_s is None and auto.wants(1)
-    auto.observe(1.4e-3, 1)  # the H200 machine's decode expert on the host
-    assert not auto.wants(1) and auto.summary()["observed_host_expert_us"] == pytest.approx(1400)
+    for _ in range(OBSERVED_MIN - 2):  # the H200 machine's decode expert on the host, warm
+        auto.observe(0.9e-3, 1)
+    assert auto.wants(1)  # too few yet to overrule the estimate
+    auto.observe(0.9e-3, 1)
+    assert not auto.wants(1) and auto.summary()["observed_host_expert_us"] == pytest.approx(900)
     on = HostCompute("on", None, *EXPERT)
     on.observe(1.0, 1)
     assert on.wants(1)  # on computes every one, whatever it takes

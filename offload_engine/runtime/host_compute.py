@@ -32,6 +32,9 @@ def check_host_compute(mode: str) -> str:
 # estimate, which grows with tokens, rules there)
 OBSERVED_TOKENS = 4
 OBSERVED_WEIGHT = 0.2  # of each new observation in the running average
+# observations before the average rules: the first call is cold (kernel choice, the pinned staging buffers, the
+# thread pool waking: 3 ms on the H200 machine where warm ones took 0.9), and one must not turn auto off for good
+OBSERVED_MIN = 8
 
 
 @dataclass
@@ -41,17 +44,22 @@ class HostCompute:
     expert_bytes: int  # one expert in the host tier
     expert_params: int
     observed_s: float | None = None  # auto: running average of what one decode expert took on the host
+    observations: int = 0  # decode experts observed (the first, cold, left out of the average)
 
     def wants(self, tokens: int) -> bool:
         """Compute on the host an expert routed `tokens` tokens of this forward."""
+        observed = self.observed_s if self.observations >= OBSERVED_MIN else None
         return self.mode == "on" or host_compute_pays(self.expert_bytes, self.expert_params, tokens, self.machine,
-                                                      self.observed_s)
+                                                      observed)
 
     def observe(self, seconds: float, tokens: int) -> None:
         """One expert computed on the host took `seconds` (its inputs' wait and its result's copy back included).
         auto stops choosing the host once these say it does not pay: on the H200 machine an expert the probes
         put at 229 us took 1.4 ms in decode, and host compute cost 10-40% of decode speed."""
-        if tokens <= OBSERVED_TOKENS:
+        if tokens > OBSERVED_TOKENS:
+            return
+        self.observations += 1
+        if self.observations > 1:
             self.observed_s = seconds if self.observed_s is None else (
                 (1 - OBSERVED_WEIGHT) * self.observed_s + OBSERVED_WEIGHT * seconds)
 
