@@ -4,8 +4,9 @@
 fully resident run bit for bit), "on" (every routed expert the host tier holds and the device tier does not), or
 "auto" (those for which planner.costs.host_compute_pays says the CPU is faster than copy + GPU, from rates
 measured when the engine opens and the times host-computed experts then take). A CPU computes in another order
-than a GPU, so "on" and "auto" on a GPU give the same tokens as a rule but not the same bits. On a CPU machine with --vram (both tiers in RAM) "on" computes
-host-resident experts in place, skipping the RAM-to-RAM copy, bit for bit as the device pool would.
+than a GPU, so "on" and "auto" on a GPU give the same tokens as a rule but not the same bits. On a CPU machine
+with --vram (both tiers in RAM) "on" computes host-resident experts in place, skipping the RAM-to-RAM copy, bit
+for bit as the device pool would.
 """
 from __future__ import annotations
 
