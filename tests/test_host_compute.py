@@ -116,6 +116,20 @@ def test_auto_stops_where_observed_times_say_the_host_loses():
     assert on.wants(1)  # on computes every one, whatever it takes
 
 
+def test_the_model_asks_the_host_only_where_auto_says_it_pays(resident):
+    """CausalLM._moe with an auto HostCompute on given rates: where the CPU wins, experts are handed over (here
+    computed in place on the CPU, bit for bit); where it loses, none are (on a GPU the forward then also skips
+    staging its routing inputs on the host, which this CPU run cannot see)."""
+    path, _, ref = resident
+    with Engine.open(path, budget=Budget(vram="8%", ram="100%"), max_context=CONTEXT) as engine:
+        for box, computed in ((machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0), True),
+                              (machine(h2d_gbps=55.5, cpu_gbps=20.0, cpu_tflops=1.0), False)):
+            engine.model.host_compute = HostCompute("auto", box, *EXPERT)
+            completion = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True)
+            assert completion.token_ids == ref.token_ids
+            assert (completion.stats["host_computed"] > 0) == computed
+
+
 def test_the_cpu_probe_reads_past_the_cache_and_gives_its_memory_back():
     """auto's CPU rate: GEMVs over 4x the last-level cache (sysfs "32768K" parsed to bytes), in one allocation
     that returns to the OS (the H200 run's RSS grew 1 GiB over the host budget with 8 MiB blocks glibc kept)."""

@@ -116,10 +116,13 @@ class CausalLM:
         # resident experts first, the rest as their reads land
         wait_work = None if ahead is None else lambda: ahead(output())
         host = self.host_compute
+        if host is not None:
+            tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
+            if not any(host.wants(n) for n in set(tokens.values())):
+                host = None  # auto rules the host out for this forward: nothing to stage, nothing to ask
         if host is None:
             units = self.source.acquire(keys, wait_work)
         else:
-            tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
             units = self.source.acquire(keys, wait_work, on_host=lambda key: host.wants(tokens[key.expert]))
         # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
         # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
