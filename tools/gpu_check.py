@@ -250,6 +250,8 @@ def main() -> int:
                       f"{rule['copied_expert_us']:.0f} us (CPU {rule['cpu_gbps']:.1f} GB/s, "
                       f"H2D {rule['h2d_gbps']:.1f} GB/s, GPU {rule['gpu_gbps']:.0f} GB/s, CPU op "
                       f"{rule['cpu_op_us']:.1f} us, GPU op {rule['gpu_op_us']:.1f} us)")
+            if rule.get("observed_host_expert_us"):  # what auto's rule weighs now, from the engine's own runs
+                print(f"{name}: observed (running average) {rule['observed_host_expert_us']:.0f} us")
             if rule.get("measured_expert_us"):
                 print(f"{name}: experts computed on the host took {rule['measured_expert_us']:.0f} us each")
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
