@@ -123,7 +123,7 @@ class Engine:
         # the rates host_compute="auto" weighs, measured before the store allocates (the probes' buffers are
         # transient and outside the budget), and only where the host tier will cache experts apart from VRAM
         rates = (measure_machine(dev, compute_dtype)
-                 if host_compute == "auto" and dev.type == "cuda" and _host_caches_experts(placement) else None)
+                 if host_compute == "auto" and dev.type == "cuda" and placement.host_caches("expert") else None)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn,
                             stall_timeout=stall_timeout)
         draft = None
@@ -403,15 +403,10 @@ def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | 
     return Prefetcher(store, Combined(lookahead, prior), moe_layers, spec.num_layers, config)
 
 
-def _host_caches_experts(placement: Placement) -> bool:
-    """A host tier apart from the compute tier with expert slots beyond the staging ones CUDA reads pass through
-    (a unit held for host compute must never leave a reader without one)."""
-    return len(placement.tiers) > 1 and placement.tiers[1].caches("expert")
-
-
 def _host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:
-    """Only where the host tier caches experts (_host_caches_experts), and for "auto" only on a GPU."""
-    if mode == "off" or not _host_caches_experts(store.placement) or (mode == "auto" and not rates):
+    """Only where a host tier caches experts beyond its staging slots (a unit held for host compute must never
+    leave a reader without one), and for "auto" only on a GPU."""
+    if mode == "off" or not store.placement.host_caches("expert") or (mode == "auto" and not rates):
         return None
     layouts = [l for k, l in store.checkpoint.layouts.items() if k.kind == "expert"]
     biggest = max(layouts, key=lambda l: l.nbytes)

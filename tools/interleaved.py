@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import offload_engine.runtime.model as model_module  # noqa: E402
 from offload_engine import Budget, Engine  # noqa: E402
+from offload_engine.spec.decoder import FinishEvent  # noqa: E402
 
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700, 800], [42] * 8,
            [9, 99, 999, 8000, 5, 55, 555, 5555])
@@ -60,7 +61,7 @@ class ExpertClock:
 def decode(engine: Engine, prompt: list[int], tokens: int) -> dict:
     marks, stats = [], {}
     for event in engine.stream(prompt, max_new_tokens=tokens + 1, ignore_eos=True):
-        if hasattr(event, "reason"):
+        if isinstance(event, FinishEvent):
             stats = event.stats
         else:
             marks.append((time.perf_counter(), time.thread_time()))

@@ -98,6 +98,11 @@ class Placement:
                 return t.name
         return "disk"
 
+    def host_caches(self, kind: str) -> bool:
+        """Whether a host tier apart from the compute tier keeps units of `kind` beyond its staging slots (what
+        GPUDirect reads around, and what host compute needs)."""
+        return len(self.tiers) > 1 and self.tiers[1].caches(kind)
+
     def by_rows(self, kind: str) -> bool:
         """Whether the store reads this kind's rows from the checkpoint on demand (a row kind pinned nowhere)."""
         return kind in ROW_KINDS and self.home(kind) == "disk"

@@ -106,8 +106,7 @@ class TieredStore:
         # Where the host can cache, disk -> pinned host slot -> device keeps the unit for later host hits (a pinned
         # copy runs at tens of GB/s, a re-read at disk speed); measured on an H200 (docs/PERF.md): with GPUDirect
         # taking every read, a 50% RAM budget held no expert at all.
-        host_plan = placement.tiers[1] if len(placement.tiers) > 1 else None
-        self.gds_kinds = {kind for kind in placement.sizes if host_plan is None or not host_plan.caches(kind)}
+        self.gds_kinds = {kind for kind in placement.sizes if not placement.host_caches(kind)}
         for key, layout in checkpoint.layouts.items():
             if placement.by_rows(key.kind):
                 row_tensor(layout)  # a table, or a ConfigError now rather than at the first lookup
