@@ -37,6 +37,7 @@ from .spec.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt
 from .spec.sampling import Sampler, SamplingParams
 from .spec.speculative import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
 from .store.build import build_store, plan_for
+from .store.policy import POLICIES
 from .store.store import ReadFn, TieredStore
 from .tokenizer import Tokenizer
 
@@ -76,7 +77,7 @@ class Engine:
     @classmethod
     @sigint_guarded()  # a Ctrl-C while it loads never strands a lock the cleanup needs (interrupts.py)
     def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "layer-lru",
+             dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "lru-floor",
              direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
              allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
              stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
@@ -106,6 +107,8 @@ class Engine:
         dev = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, dev)
         host_compute = check_host_compute(host_compute)
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)} (--policy), got {policy!r}")
         checkpoint = open_model(path, allow_cast=allow_cast)
         # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
         resolved = budget.resolve(checkpoint.index.total_bytes)

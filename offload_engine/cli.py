@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
 from .planner.commands import add_plan_parser, add_probe_parser
+from .store.policy import POLICIES
 from .units import format_bytes
 
 RUN_EXAMPLES = """examples:
@@ -59,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
     run.add_argument("--context", type=int, help="KV cache positions reserved in the budget (default 4096)")
-    run.add_argument("--policy", default="layer-lru", choices=["layer-lru", "lru", "lfu"],
-                     help="expert cache eviction policy")
+    run.add_argument("--policy", default="lru-floor", choices=POLICIES,
+                     help="expert cache eviction policy (docs/PERF.md compares them)")
     run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
                      help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
     run.add_argument("--host-compute", default="off", choices=["off", "on", "auto"],

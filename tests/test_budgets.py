@@ -70,7 +70,7 @@ def test_placement_exact_on_toy_sizes():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ram_pct=st.integers(5, 100), vram_pct=st.one_of(st.none(), st.integers(3, 60)),
-       policy=st.sampled_from(["lru", "lfu", "layer-lru"]))
+       policy=st.sampled_from(["lru-floor", "lru", "lfu", "layer-lru"]))
 def test_real_store_peak_within_budget(checkpoint_factory, ram_pct, vram_pct, policy):
     path = checkpoint_factory("qwen3_moe", "offload")
     budget = Budget(ram=f"{ram_pct}%", vram=None if vram_pct is None else f"{vram_pct}%")

@@ -45,7 +45,7 @@ def test_every_ram_budget_matches_resident(offload_model, ram):
         assert stats["bytes_read_disk"] > 0  # really streamed
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "layer-lru"])
+@pytest.mark.parametrize("policy", ["lru-floor", "lru", "lfu", "layer-lru"])
 @pytest.mark.parametrize("vram,ram", [("8%", "20%"), ("15%", None), ("8%", "100%")])
 def test_three_tiers_and_policies_match_resident(offload_model, policy, vram, ram):
     """device pool (RAM on CPU) + host RAM + disk: every transition runs."""

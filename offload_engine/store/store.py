@@ -36,7 +36,7 @@ from .disk import (BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range
                    read_unit_direct)
 from .gds import GdsReader
 from .ledger import Ledger
-from .policy import Usage, aged_count, choose_victim, layer_to_evict
+from .policy import Usage, aged_count, choose_victim, layer_to_evict, may_take, resolved
 from .readers import DEMAND, PREFETCH, BusyClock, ReaderPool, reading
 from .rows import RowCache, plan_rows, row_bytes, row_tensor, split
 from .tier import Slot, Tier
@@ -75,14 +75,16 @@ class StoreStats:
 
 class TieredStore:
     def __init__(self, checkpoint: ModelCheckpoint, placement: Placement, ledger: Ledger, device: torch.device,
-                 dtype: torch.dtype, *, policy: str = "layer-lru", direct_io: bool = False, threads: int = 4,
+                 dtype: torch.dtype, *, policy: str = "lru-floor", direct_io: bool = False, threads: int = 4,
                  bounce_bytes: int = BOUNCE_BYTES, gds: bool = True, stall_timeout: float = 60.0,
                  read_fn: ReadFn | None = None, progress: bool = False):
         self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
         self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
         self.stats = StoreStats()
-        # layer-lru gives each MoE layer an equal share of a tier's expert slots
+        # layer-lru gives each MoE layer an equal share of a tier's expert slots; lru-floor leaves each layer the
+        # experts a token routes to
         self._expert_layers = len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1
+        self._expert_floor = max(1, checkpoint.spec.num_experts_per_tok)
         self._lock = threading.RLock()
         self._tick = 0
         self._host_held: dict[UnitKey, int] = {}  # host-tier references handed to callers (acquire's on_host)
@@ -264,7 +266,7 @@ class TieredStore:
             finally:
                 with self._lock:
                     src.refs -= 1
-                    src.last_use = self._tick
+                    self.host.stamp(src, self._tick)
             return
         if self.host is not None and self.host.pools.get(key.kind) and slot.blob.device.type != "cuda":
             # cache on the host tier on the way up, when it has slots for this kind
@@ -300,6 +302,7 @@ class TieredStore:
                 tier.unplace(slot)
             tier.place(slot, key)
             slot.refs, slot.score, slot.prefetched, slot.stale = 1, 0.0, False, False
+            tier.stamp(slot, self._tick)  # not the evicted unit's age: landed, it is stamped by its acquire
             slot.loading = Future()  # placeholder until the real future is attached
             return slot
 
@@ -317,32 +320,39 @@ class TieredStore:
     def _victim(self, tier: Tier, key: UnitKey, used_before: int | None, prefetching: bool) -> Slot | None:
         """The unit to evict per policy, among evictable ones (call with the lock held). layer-lru looks at the
         incoming unit's layer and at the layer holding the most slots, not at every slot (O(slots per layer) per
-        miss); the other policies, and layer-lru when those two layers have nothing evictable, scan the pool."""
+        miss); lru-floor walks the tier's recency heap from its least recent end; the other policies, and these
+        two when those find nothing, scan the pool."""
         pool = tier.pools.get(key.kind, [])
+        share, floor = max(1, len(pool) // self._expert_layers), self._expert_floor
         # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
-        policy = self.policy if key.kind == "expert" else "lru"
-        share = max(1, len(pool) // self._expert_layers)
+        policy = resolved(self.policy, share, floor) if key.kind == "expert" else "lru"
+
+        def usable(s: Slot) -> bool:
+            if s.loading is not None:
+                self._settle(tier, s)
+            return not (s.key is None or s.refs or s.loading is not None or s.stale
+                        or (prefetching and s.prefetched) or (used_before is not None and s.last_use >= used_before))
 
         def evictable(slots: Iterable[Slot]) -> list[Usage]:
-            out = []
-            for s in slots:
-                if s.loading is not None:
-                    self._settle(tier, s)
-                if (s.key is None or s.refs or s.loading is not None or s.stale or (prefetching and s.prefetched)
-                        or (used_before is not None and s.last_use >= used_before)):
-                    continue
-                out.append(Usage(s.index, s.key.layer, s.last_use, s.score))
-            return out
+            return [Usage(s.index, s.key.layer, s.last_use, s.score) for s in slots if usable(s)]
 
+        groups = tier.by_layer.get(key.kind, {})
+        occupied = {layer: len(g) for layer, g in groups.items()}
         if policy == "layer-lru":
-            groups = tier.by_layer.get(key.kind, {})
             own = evictable(list(groups.get(key.layer, {}).values()))
-            layer = layer_to_evict(len(own), share, {l: len(g) for l, g in groups.items()}, key.layer)
+            layer = layer_to_evict(len(own), share, occupied, key.layer)
             candidates = own if layer == key.layer else evictable(list(groups.get(layer, {}).values()))
             if candidates:
                 return pool[choose_victim("lru", candidates, key.layer, share, self._tick)]
+        if policy == "lru-floor":  # the least recent unit it may take, from the tier's recency heap
+            oldest = tier.least_recent(key.kind, lambda s: usable(s) and may_take(s.key.layer, key.layer, floor,
+                                                                                  occupied))
+            if oldest is not None:
+                return oldest
         candidates = evictable(pool)
-        return pool[choose_victim(policy, candidates, key.layer, share, self._tick)] if candidates else None
+        if not candidates:
+            return None
+        return pool[choose_victim(policy, candidates, key.layer, share, self._tick, floor, occupied)]
 
     def _settle(self, tier: Tier, slot: Slot) -> None:
         """A read nobody waits for any more (its request failed or stopped early) has finished: a landed unit
@@ -365,7 +375,7 @@ class TieredStore:
 
     def _touch(self, slot: Slot, tick: int) -> None:
         slot.score = aged_count(slot.score, slot.last_use, tick) + 1.0
-        slot.last_use = tick
+        (self.compute if slot.tier == self.compute.name else self.host).stamp(slot, tick)
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
         cached = slot.views
@@ -570,7 +580,8 @@ class TieredStore:
                     full.add(key.kind)  # this kind's slots are all busy or warm; another kind's may not be
                     continue
                 # as recent as the latest use: otherwise it keeps its victim's age and is the next victim itself
-                slot.refs, slot.prefetched, slot.last_use = 0, True, self._tick
+                slot.refs, slot.prefetched = 0, True
+                self.compute.stamp(slot, self._tick)
                 self.compute.prefetched.setdefault(key.kind, {})[slot.index] = slot
                 slot.loading = self.pool.submit(PREFETCH, partial(self._prefetch_fill, key, slot), str(key))
                 self.stats.prefetch_issued += 1

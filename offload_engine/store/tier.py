@@ -1,8 +1,10 @@
 """Fixed-size slot pools, allocated once per tier and charged to the ledger before allocation."""
 from __future__ import annotations
 
+import heapq
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -46,6 +48,9 @@ class Tier:
     # slots handed to a prefetch and marked stale, per kind: registers pruned when read (their flags decide)
     prefetched: dict[str, dict[int, Slot]] = field(default_factory=dict)
     stale: dict[str, dict[int, Slot]] = field(default_factory=dict)
+    # per kind, (last_use, index) of every stamp (Tier.stamp): a heap whose entries go stale when their slot is
+    # stamped again or emptied, dropped when met, so finding the least recent unit that may go costs a few pops
+    recency: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
@@ -85,6 +90,7 @@ class Tier:
         slot.key = key
         self.resident[key] = slot
         self.by_layer.setdefault(slot.kind, {}).setdefault(key.layer, {})[slot.index] = slot
+        self.stamp(slot, slot.last_use)  # in the recency heap at its current age until it is used
 
     def unplace(self, slot: Slot) -> None:
         """Forget the unit `slot` holds in the maps (the caller resets or replaces `slot.key`)."""
@@ -98,6 +104,30 @@ class Tier:
             group.pop(slot.index, None)
             if not group:
                 del layers[slot.key.layer]
+
+    def stamp(self, slot: Slot, tick: int) -> None:
+        """Record a use of `slot` at store tick `tick` (every change of `last_use` goes through here)."""
+        slot.last_use = tick
+        heap = self.recency.setdefault(slot.kind, [])
+        heapq.heappush(heap, (tick, slot.index))
+        if len(heap) > 4 * len(self.pools.get(slot.kind, ())) + 64:  # mostly stale entries: rebuild
+            heap[:] = [(s.last_use, s.index) for s in self.pools[slot.kind] if s.key is not None]
+            heapq.heapify(heap)
+
+    def least_recent(self, kind: str, may_go: Callable[[Slot], bool]) -> Slot | None:
+        """The least recently used occupied slot of `kind` that `may_go` accepts (ties: the lower index)."""
+        heap, pool, passed, found = self.recency.get(kind, []), self.pools.get(kind, []), [], None
+        while heap and found is None:
+            last, index = heapq.heappop(heap)
+            slot = pool[index]
+            if slot.key is None or slot.last_use != last:
+                continue  # stale: the slot was stamped again (a newer entry exists) or emptied
+            if may_go(slot):
+                found = slot
+            passed.append((last, index))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return found
 
     def take_free(self, kind: str) -> Slot | None:
         stack = self.free.get(kind, [])
@@ -120,5 +150,5 @@ class Tier:
         for kind, pool in self.pools.items():
             for slot in pool:
                 ledger.credit(self.name, slot.blob.numel(), f"{kind} slots")
-        for index in (self.pools, self.resident, self.by_layer, self.free, self.prefetched, self.stale):
+        for index in (self.pools, self.resident, self.by_layer, self.free, self.prefetched, self.stale, self.recency):
             index.clear()
