@@ -102,7 +102,8 @@ def test_prefetch_modes_are_compared_over_rounds(tmp_path):
     with --rounds, every mode runs in every round between resident runs, and the row is the median round."""
     out = tmp_path / "b.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--no-progress", "--no-peer",
-                           "--prefetch", "on,off", "--rounds", "3", "--work-dir", str(tmp_path), "--json", str(out)],
+                           "--prefetch", "on,off", "--rounds", "3", "--policy", "layer-lru",
+                           "--work-dir", str(tmp_path), "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     header = next(line for line in proc.stdout.splitlines() if "pay-check verdicts" in line)
@@ -110,6 +111,7 @@ def test_prefetch_modes_are_compared_over_rounds(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] in (["on"], ["off"])]
     assert {(r[0], r[1]) for r in rows} == {("100", "on"), ("100", "off"), ("25", "on"), ("25", "off")}
     result = json.loads(out.read_text())
+    assert result["settings"]["policy"] == "layer-lru"
     for row in result["rows"]:
         rounds = result["rounds"][f"{row['budget_pct']:g}"]
         assert len(rounds["resident_s_per_token"]) == 4 and len(rounds["engine_s_per_token"]["off"]) == 3

@@ -114,3 +114,15 @@ def test_recency_heap_finds_the_least_recent_slot_a_predicate_accepts(seed):
         expected = min((s for s in pool if s.key is not None and accept(s)), key=lambda s: (s.last_use, s.index),
                        default=None)
         assert tier.least_recent("expert", accept) is expected
+
+
+def test_record_samples_with_a_seed(checkpoint_factory, tmp_path):
+    path = checkpoint_factory("qwen3_moe", "offload")
+    traces = []
+    for name, extra in (("greedy", []), ("a", ["--temperature", "1.0", "--seed", "3"]),
+                        ("b", ["--temperature", "1.0", "--seed", "3"])):
+        out = tmp_path / f"{name}.json"
+        assert trace_main(["record", "--model", str(path), "--prompt", "ab", "--tokens", "12", "--context", "64",
+                           "--out", str(out)] + extra) == 0
+        traces.append(json.loads(out.read_text())["steps"])
+    assert traces[1] == traces[2] and traces[1] != traces[0]

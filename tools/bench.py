@@ -49,6 +49,7 @@ from offload_engine import Budget, Engine, PrefetchConfig  # noqa: E402
 from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_cpu_matmul_flops,  # noqa: E402
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
 from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from offload_engine.store.policy import POLICIES  # noqa: E402
 
 MB = 1e6
 PREFETCH_MODES = {"off": False, "on": PrefetchConfig(adaptive=False), "adaptive": PrefetchConfig()}
@@ -155,8 +156,8 @@ def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
-               progress: bool, quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None
-               ) -> EngineRun:
+               progress: bool, quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None,
+               policy: str = "lru-floor") -> EngineRun:
     """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
     warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill."""
     budget = Budget() if pct is None else Budget(ram=f"{pct:g}%")
@@ -164,7 +165,7 @@ def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int
     start = time.perf_counter()
     options = {} if prefetch == "adaptive" else {"prefetch": PREFETCH_MODES[prefetch]}
     engine = Engine.open(model, budget=budget, max_context=context or len(prompt) + steps + 8, direct_io=direct,
-                         **options)
+                         policy=policy, **options)
     open_s = time.perf_counter() - start
     try:
         engine.generate(warm, max_new_tokens=min(steps, 4) + 1, ignore_eos=True)
@@ -569,6 +570,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefetch", default="adaptive", metavar="MODES",
                     help="comma-separated engine prefetch modes from off,on,adaptive (default: adaptive, as "
                          "Engine.open); the first is the main table's engine, all are compared per budget")
+    ap.add_argument("--policy", default="lru-floor", choices=POLICIES,
+                    help="the engine's expert cache eviction policy (default: Engine.open's)")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="engine runs per budget and prefetch mode, each between two resident runs; the table "
                          "shows the median round and the spread (default 3; --quick 1)")
@@ -609,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
 
     def engine_run(pct: float | None, mode: str) -> EngineRun:
-        return run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, mode, args.context)
+        return run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, mode, args.context,
+                          args.policy)
 
     rows, by_mode, all_runs, resident = [], {}, {}, None
     for pct in tqdm(budgets, desc="budgets", unit="budget", disable=not args.progress):
@@ -639,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                      "context": args.context,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
-                     "prefetch_modes": args.prefetch, "rounds": args.rounds},
+                     "prefetch_modes": args.prefetch, "rounds": args.rounds, "policy": args.policy},
         "probe": {"disk": disk, "disk_bandwidth_start_end": disk_bandwidth(disk), "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
         "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),

@@ -2,13 +2,16 @@
 """Record routing traces and replay them through the expert-cache policies.
 
   python tools/trace_experts.py record --model DIR [--prompt TEXT | --prompt-file F] --tokens 128 --out trace.json
+                                      [--temperature 0.7 --seed 1]
   python tools/trace_experts.py replay trace.json --sizes 5,10,25,50 [--plot policies.png] [--json out.json]
   python tools/trace_experts.py replay trace.json --slots 151,200     # cache sizes in expert slots
 
 A trace lists, for every forward and MoE layer, the experts each token was routed to. Replay simulates a cache
 of N expert slots (N = a percentage of all experts) under each policy of offload_engine.store.policy, the same
 pure functions the store uses, plus the clairvoyant optimum (Belady: evict the unit used farthest in the future)
-as the reference line.
+as the reference line. Each miss here evicts after the units acquired before it were released; the store
+reserves a layer's misses up front, while its hits are held, so where the cache holds about one token's experts
+per layer the engine can rank the policies otherwise (policy.resolved; docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -26,15 +29,16 @@ from offload_engine.runtime.moe import routed_experts  # noqa: E402
 from offload_engine.store.policy import POLICIES, Usage, choose_victim  # noqa: E402
 
 
-def routing_trace(model, prompts: list, tokens: int, context: int) -> dict:
-    """The model's routing over consecutive greedy requests (one per prompt: text or token ids), every unit
-    resident: the record format that FrequencyPrior (`run --trace`) and the planner (`plan --trace`) read."""
+def routing_trace(model, prompts: list, tokens: int, context: int, **sampling) -> dict:
+    """The model's routing over consecutive requests (one per prompt: text or token ids; greedy unless
+    `sampling` says otherwise), every unit resident: the record format that FrequencyPrior (`run --trace`) and
+    the planner (`plan --trace`) read."""
     from offload_engine import Engine
 
     with Engine.open(model, max_context=context) as engine:
         engine.model.routing_trace = []
         for prompt in prompts:
-            engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+            engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True, **sampling)
         steps = engine.model.routing_trace
         experts = engine.model.spec.num_experts
     return {"model": str(model), "num_experts": experts, "moe_layers": sorted({l for l, _ in steps}), "steps": steps}
@@ -42,7 +46,8 @@ def routing_trace(model, prompts: list, tokens: int, context: int) -> dict:
 
 def record(args: argparse.Namespace) -> int:
     prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    trace = routing_trace(args.model, [prompt], args.tokens, args.context)
+    sampling = {} if args.temperature is None else {"temperature": args.temperature, "seed": args.seed}
+    trace = routing_trace(args.model, [prompt], args.tokens, args.context, **sampling)
     Path(args.out).write_text(json.dumps(trace))
     print(f"wrote {args.out}: {len(trace['steps'])} layer steps")
     return 0
@@ -149,6 +154,9 @@ def main(argv=None) -> int:
     rec.add_argument("--prompt-file")
     rec.add_argument("--tokens", type=int, default=128)
     rec.add_argument("--context", type=int, default=2048)
+    rec.add_argument("--temperature", type=float, help="sample instead of greedy decoding (greedy text from a "
+                     "random-weight checkpoint repeats itself; sampled text does not)")
+    rec.add_argument("--seed", type=int, default=0, help="with --temperature")
     rec.add_argument("--out", required=True)
     rec.set_defaults(func=record)
     rep = sub.add_parser("replay")

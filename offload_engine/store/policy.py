@@ -67,7 +67,7 @@ def resolved(policy: str, layer_share: int, layer_floor: int) -> str:
     """lru-floor is layer-lru until the slots give every layer FLOOR_ROOM times its floor. The store reserves a
     layer's misses before that layer's hits are released, so a layer at its floor cannot recycle its own slots
     and takes from the layers above theirs; with little room above the floors that costs more than the
-    partition. On the bench model, misses per token against layer-lru (greedy / sampled text): room 1.1x +11%
+    partition. On the bench model, misses per token against layer-lru (greedy / sampled text): room 1x +11%
     / -, 1.5x 0% / +4%, 2x -9% / -10%, 2.4x -3% / -20%, 3.6x -4% / -16%; below 1x (nothing above any floor) a
     floor leaves a layer's misses to take from the next layer, that one's from the next: every expert missed."""
     return "layer-lru" if policy == "lru-floor" and layer_share < FLOOR_ROOM * layer_floor else policy
