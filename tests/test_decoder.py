@@ -55,13 +55,14 @@ class FakeLM:
         self.next_fn = next_fn
         self.sharp = sharp
         self.calls: list[int] = []  # T of each forward
+        self.rows: list[int] = []  # logits rows each forward returned
         self.caches: list[FakeCache] = []
 
     def new_cache(self, max_tokens: int) -> FakeCache:
         self.caches.append(FakeCache(max_tokens))
         return self.caches[-1]
 
-    def forward(self, tokens: torch.Tensor, cache: FakeCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: FakeCache, last_only: bool = False) -> torch.Tensor:
         assert tokens.dtype == torch.long and tokens.dim() == 1
         self.calls.append(len(tokens))
         start = cache.length
@@ -74,6 +75,8 @@ class FakeLM:
             row = torch.rand(VOCAB, generator=gen)
             row[self.next_fn(token, pos) % VOCAB] += self.sharp
             rows.append(row)
+        rows = rows[-1:] if last_only else rows
+        self.rows.append(len(rows))
         return torch.stack(rows).float()
 
 
@@ -115,6 +118,13 @@ def test_greedy_stops_at_eos():
     assert finish.prefill_tokens == len(PROMPT)
     assert model.calls == [len(PROMPT)] + [1] * (len(finish.token_ids) - 1)
     assert model.caches[0].max_tokens == len(PROMPT) + 50
+
+
+def test_the_prompt_asks_for_its_last_row_of_logits_only():
+    """The prefill's other rows would be P x vocab floats and P x vocab x hidden products nobody reads."""
+    model = script_model(PROMPT, TOK.encode("ab"))
+    run(model, PROMPT, SamplingParams(max_new_tokens=2))
+    assert model.calls[0] == len(PROMPT) > 1 and model.rows == [1, 1]
 
 
 def test_greedy_stops_at_max_tokens():

@@ -413,9 +413,9 @@ def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: 
 
 
 def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:
-    """Largest transient working set: a prompt of min(context, PREFILL_CHUNK) tokens in one forward (the engine
-    computes logits for every prompt position: P x vocab x 4 bytes) or one decode step at a full context (GQA
-    K/V expanded to all heads)."""
+    """Largest transient working set: a prompt of min(context, PREFILL_CHUNK) tokens in one forward (with the
+    logits of every prompt position, P x vocab x 4 bytes, as Engine.logits returns them; generation's prefill
+    keeps the last row only) or one decode step at a full context (GQA K/V expanded to all heads)."""
     s = shape.spec
     inter = max(s.intermediate_size, s.get("moe_intermediate_size") or 0)
     heads, D = s.num_heads, s.head_dim

@@ -172,9 +172,10 @@ class PlainStepper:
 
     @torch.inference_mode()
     def next_logits(self, tokens: list[int]) -> torch.Tensor:
-        """Append `tokens` to the cache; logits [V] predicting the token after the last of them."""
+        """Append `tokens` to the cache; logits [V] predicting the token after the last of them (the head runs on
+        the last position only: a prompt's other rows would cost P x vocab x hidden products and P x vocab floats)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self._device)
-        return self.model.forward(ids, self.cache)[-1]
+        return self.model.forward(ids, self.cache, last_only=True)[-1]
 
 
 # ---------------------------------------------------------------------------------------------- loop
