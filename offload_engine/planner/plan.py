@@ -35,7 +35,7 @@ PLANNING_ONLY = ("gpt_oss",)
 # context alone is 0.3-0.5 GiB on recent drivers), the host process, and the activations (activation_bytes)
 DEVICE_RESERVE = int(0.75 * 2**30)
 HOST_RESERVE = 2 * 2**30  # OS, Python, torch libraries
-PREFILL_CHUNK = 512  # activations are sized for a prompt processed this many tokens at a time
+PREFILL_CHUNK = 512  # a long prompt runs this many tokens per forward (runtime/model.py), activations sized so
 
 
 # ---- the model, from config.json alone ---------------------------------------------------------------------
@@ -413,9 +413,10 @@ def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: 
 
 
 def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:
-    """Largest transient working set: a prompt of min(context, PREFILL_CHUNK) tokens in one forward (with the
-    logits of every prompt position, P x vocab x 4 bytes, as Engine.logits returns them; generation's prefill
-    keeps the last row only) or one decode step at a full context (GQA K/V expanded to all heads)."""
+    """Largest transient working set: a prompt chunk of min(context, PREFILL_CHUNK) tokens attending to a full
+    context (CausalLM.forward runs longer prompts a chunk at a time), with the logits of every position, P x
+    vocab x 4 bytes, as Engine.logits returns them (generation's prefill keeps the last row only); or one
+    decode step at a full context (GQA K/V expanded to all heads)."""
     s = shape.spec
     inter = max(s.intermediate_size, s.get("moe_intermediate_size") or 0)
     heads, D = s.num_heads, s.head_dim
@@ -424,7 +425,7 @@ def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:
         return (p * s.hidden_size * itemsize * 8 + p * inter * itemsize * 3 + 2 * ctx * heads * D * itemsize
                 + heads * p * ctx * 4 + p * s.vocab_size * 4)
 
-    return max(working(min(context, PREFILL_CHUNK), min(context, PREFILL_CHUNK)), working(1, context))
+    return max(working(min(context, PREFILL_CHUNK), context), working(1, context))
 
 
 def _spec_setup(shape: ModelShape, o: PlanOptions, use_mtp: bool) -> tuple[int, float, dict | None]:

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from ..errors import BudgetError, out_of_memory_as_error
+from ..planner.plan import PREFILL_CHUNK
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .host_compute import HostInputs
@@ -55,9 +56,36 @@ class CausalLM:
 
         return_hidden: also return the last decoder layer's output before the final norm [T, H] (what MTP
         heads consume). An allocator out-of-memory error (KV cache, activations, a weight copy) fails this
-        call with a DeviceOOMError; the cache is not advanced, so the request can be retried or dropped."""
+        call with a DeviceOOMError; the cache is not advanced, so the request can be retried or dropped.
+
+        A causal run of more than PREFILL_CHUNK tokens (a long prompt) goes through in chunks of that many, each
+        attending to the cache: its activations stay what the planner charged for (planner/plan.py
+        activation_bytes) instead of growing with the prompt's square. Each chunk reads the experts it routes
+        to, so a prompt of n chunks may read a cache-missing expert up to n times."""
         with out_of_memory_as_error(f"forward pass on {self.device}"):
+            if mask is None and positions is None and tokens.shape[0] > PREFILL_CHUNK:
+                return self._chunked(tokens, cache, last_only, return_hidden)
             return self._forward(tokens, cache, positions, mask, last_only, return_hidden)
+
+    def _chunked(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, return_hidden: bool
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """forward() one PREFILL_CHUNK at a time: the rows it would return, the cache advanced by all of them, or
+        on a failure by none (the chunks that went through are trimmed off where the cache can rewind)."""
+        start, outs = cache.length, []
+        try:
+            for at in range(0, tokens.shape[0], PREFILL_CHUNK):
+                out = self._forward(tokens[at:at + PREFILL_CHUNK], cache, None, None, last_only, return_hidden)
+                outs.append(out if return_hidden else (out, None))
+        except BaseException as failure:
+            try:
+                cache.trim(cache.length - start)
+            except ValueError as why:  # a recurrent layer's state past a chunked forward cannot be rewound
+                failure.add_note(f"the cache keeps the {cache.length - start} positions before the failure: {why}")
+            raise
+        if last_only:  # every chunk's last row was computed; the last chunk's is the answer
+            outs = outs[-1:]
+        logits = torch.cat([rows for rows, _ in outs])
+        return (logits, torch.cat([x for _, x in outs])) if return_hidden else logits
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None,
                  mask: torch.Tensor | None, last_only: bool, return_hidden: bool

@@ -1,0 +1,66 @@
+"""Long prompts run a PREFILL_CHUNK at a time (CausalLM.forward): the same logits and tokens as transformers'
+one forward, the cache rewound when a chunk fails. The chunk is made small here so short prompts span several."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload_engine.runtime.model as model_module
+from offload_engine import Budget, Engine
+
+from conftest import ARCHS
+from test_parity import PROMPT_LEN, check_parity
+
+CHUNK = 24  # PROMPT_LEN 64 -> chunks of 24, 24, 16
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", CHUNK)
+    assert PROMPT_LEN > 2 * CHUNK
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prompt_matches_transformers(checkpoint_factory, arch, small_chunks):
+    check_parity(checkpoint_factory(arch))
+
+
+def test_chunked_rows_and_hidden_are_the_single_forwards(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("qwen3_moe", "offload")
+    ids = torch.arange(3, 3 + PROMPT_LEN)
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=128) as engine:
+        model = engine.model
+        whole = model.forward(ids, model.new_cache(PROMPT_LEN), return_hidden=True)
+        monkeypatch.setattr(model_module, "PREFILL_CHUNK", CHUNK)
+        for last_only in (False, True):
+            cache = model.new_cache(PROMPT_LEN)
+            logits, hidden = model.forward(ids, cache, last_only=last_only, return_hidden=True)
+            rows = slice(-1, None) if last_only else slice(None)
+            assert logits.shape == whole[0][rows].shape and hidden.shape == whole[1][rows].shape
+            torch.testing.assert_close(logits, whole[0][rows], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(hidden, whole[1][rows], rtol=1e-4, atol=1e-4)
+            assert cache.length == PROMPT_LEN
+
+
+def test_a_failing_chunk_leaves_the_cache_as_it_was(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("qwen3_moe")
+    with Engine.open(path, max_context=128) as engine:
+        model = engine.model
+        cache = model.new_cache(PROMPT_LEN + 8)
+        model.forward(torch.tensor([5, 6, 7]), cache)  # a committed start the failure must not lose
+        monkeypatch.setattr(model_module, "PREFILL_CHUNK", CHUNK)
+        real, calls = model._forward, []
+
+        def second_chunk_fails(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected fault in the second chunk")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(model, "_forward", second_chunk_fails)
+        with pytest.raises(RuntimeError, match="second chunk"):
+            model.forward(torch.arange(10, 10 + PROMPT_LEN), cache)
+        assert cache.length == 3
+        monkeypatch.setattr(model, "_forward", real)
+        completion = engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)  # usable again
+        assert len(completion.token_ids) == 4
