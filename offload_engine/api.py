@@ -25,6 +25,7 @@ from .interrupts import finish_despite_interrupts, sigint_guarded
 from .errors import ConfigError, EngineBusyError, EngineClosedError, PlanError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
 from .planner.costs import Machine
+from .planner.plan import PREFILL_CHUNK
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
@@ -82,7 +83,8 @@ class Engine:
              allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
              stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
              spec_width: int | None = None, draft_model: str | os.PathLike | None = None,
-             draft_budget: Budget | None = None, host_compute: str = "off") -> "Engine":
+             draft_budget: Budget | None = None, host_compute: str = "off",
+             prefill_chunk: int = PREFILL_CHUNK) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
         the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
@@ -97,7 +99,11 @@ class Engine:
 
         host_compute: "off" (default), "on" or "auto": experts the host tier holds and the device tier does not
         are computed by the CPU where they lie instead of being copied (runtime/host_compute.py; not bit for bit
-        the device's results on a GPU)."""
+        the device's results on a GPU).
+
+        prefill_chunk: prompt tokens per forward (a longer prompt runs in chunks against the KV cache). Its
+        activations grow with it (`plan --prefill-chunk` sizes them); under offload a larger chunk reads each
+        expert the prompt misses fewer times."""
         budget = budget or Budget()
         if not isinstance(budget, Budget):
             raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
@@ -109,6 +115,8 @@ class Engine:
         host_compute = check_host_compute(host_compute)
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)} (--policy), got {policy!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk (--prefill-chunk) must be a positive int, got {prefill_chunk!r}")
         checkpoint = open_model(path, allow_cast=allow_cast)
         # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
         resolved = budget.resolve(checkpoint.index.total_bytes)
@@ -131,7 +139,8 @@ class Engine:
                             stall_timeout=stall_timeout)
         draft = None
         try:
-            model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM)
+            model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM,
+                             prefill_chunk=prefill_chunk)
             if spec == "mtp" and not mtp_supported(model):
                 raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                                   f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "

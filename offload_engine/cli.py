@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
 from .planner.commands import add_plan_parser, add_probe_parser
+from .planner.plan import PREFILL_CHUNK
 from .store.policy import POLICIES
 from .units import format_bytes
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
     run.add_argument("--context", type=int, help="KV cache positions reserved in the budget (default 4096)")
+    run.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                     help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
+                          "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")
     run.add_argument("--policy", default="lru-floor", choices=POLICIES,
                      help="expert cache eviction policy (docs/PERF.md compares them)")
     run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
@@ -173,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec,
                          spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
                          draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram),
-                         host_compute=args.host_compute)
+                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
     try:
         _set_compute_threads(args.threads, engine)
         return _generate(engine, args)

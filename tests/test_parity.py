@@ -23,9 +23,9 @@ def prompt_ids(vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()
 
 
-def check_parity(path) -> None:
+def check_parity(path, **open_kw) -> None:
     ref = reference(path)
-    with Engine.open(path, dtype="float32") as engine:
+    with Engine.open(path, dtype="float32", **open_kw) as engine:
         ids = prompt_ids(engine.model.vocab_size)
         ours = engine.logits(ids)
         with torch.no_grad():

@@ -14,8 +14,8 @@ from ..errors import BudgetError, ConfigError
 from ..units import format_bytes, parse_bytes
 from . import costs
 from .hardware import HardwareProfile, load_profile, probe, save_profile
-from .plan import (FORMAT_BITS, ModelShape, Plan, PlanOptions, WeightFormat, load_model_spec, model_shape,
-                   plan, unit_bytes)
+from .plan import (FORMAT_BITS, PREFILL_CHUNK, ModelShape, Plan, PlanOptions, WeightFormat, load_model_spec,
+                   model_shape, plan, unit_bytes)
 from .report import plan_json, plan_text
 
 DEFAULT_PROFILE = "rtx4070-12gb"
@@ -61,6 +61,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
     p.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
                    help="as `run`: O_DIRECT staging buffers; auto: on when the weights exceed --ram")
     p.add_argument("--position", type=int, help="tokens in the cache at the predicted step (default context/2)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help=f"as `run`: prompt tokens per forward, which sizes the activations (default {PREFILL_CHUNK})")
     p.add_argument("--overhead-scale", type=float, default=1.0,
                    help="multiply the per-op and per-unit software costs (0: the bound the hardware sets)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -119,11 +121,13 @@ def options_from_args(args: argparse.Namespace, shape: ModelShape) -> PlanOption
             raise ConfigError(f"--trace {args.trace}: {e}") from None
     if args.context < 1:
         raise ConfigError(f"--context must be >= 1, got {args.context}")
+    if args.prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     return PlanOptions(vram=_size(args.vram, "--vram", total), ram=_size(args.ram, "--ram", total),
                        context=args.context, weights=args.weights, spec=args.spec, recall=args.recall,
                        alpha=args.alpha, host_compute=args.host_compute, position=args.position, trace=trace,
                        direct_io=args.direct_io, accept=args.accept, drafts=args.drafts,
-                       overhead_scale=args.overhead_scale)
+                       overhead_scale=args.overhead_scale, prefill_chunk=args.prefill_chunk)
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, list]:

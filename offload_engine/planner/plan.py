@@ -35,7 +35,7 @@ PLANNING_ONLY = ("gpt_oss",)
 # context alone is 0.3-0.5 GiB on recent drivers), the host process, and the activations (activation_bytes)
 DEVICE_RESERVE = int(0.75 * 2**30)
 HOST_RESERVE = 2 * 2**30  # OS, Python, torch libraries
-PREFILL_CHUNK = 512  # a long prompt runs this many tokens per forward (runtime/model.py), activations sized so
+PREFILL_CHUNK = 512  # default prompt tokens per forward (runtime/model.py); activation_bytes sizes for it
 
 
 # ---- the model, from config.json alone ---------------------------------------------------------------------
@@ -293,6 +293,7 @@ class PlanOptions:
     accept: float | None = None  # per-position draft acceptance
     drafts: int | None = None
     overhead_scale: float = 1.0  # multiplies dispatch and bookkeeping costs; 0: the bound the hardware sets
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward (run --prefill-chunk)
 
 
 @dataclass
@@ -346,7 +347,7 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     separate_host = profile.has_gpu or o.vram is not None
     itemsize = 2 if profile.has_gpu else 4  # the engine computes in bf16 on CUDA, fp32 on CPU
     kv = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
-    act = activation_bytes(shape, o.context, itemsize)
+    act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
     activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
     vram, ram = o.vram, o.ram
@@ -412,8 +413,8 @@ def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: 
             "RAM": (used["host"] + activations.get("host", 0) + reserve["host"], profile.ram_bytes)}
 
 
-def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:
-    """Largest transient working set: a prompt chunk of min(context, PREFILL_CHUNK) tokens attending to a full
+def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int = PREFILL_CHUNK) -> int:
+    """Largest transient working set: a prompt chunk of min(context, chunk) tokens attending to a full
     context (CausalLM.forward runs longer prompts a chunk at a time), with the logits of every position, P x
     vocab x 4 bytes, as Engine.logits returns them (generation's prefill keeps the last row only); or one
     decode step at a full context (GQA K/V expanded to all heads)."""
@@ -425,7 +426,7 @@ def activation_bytes(shape: ModelShape, context: int, itemsize: int) -> int:
         return (p * s.hidden_size * itemsize * 8 + p * inter * itemsize * 3 + 2 * ctx * heads * D * itemsize
                 + heads * p * ctx * 4 + p * s.vocab_size * 4)
 
-    return max(working(min(context, PREFILL_CHUNK), context), working(1, context))
+    return max(working(min(context, chunk), context), working(1, context))
 
 
 def _spec_setup(shape: ModelShape, o: PlanOptions, use_mtp: bool) -> tuple[int, float, dict | None]:

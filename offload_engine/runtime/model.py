@@ -22,7 +22,7 @@ class CausalLM:
     """forward(tokens, cache) -> float32 logits; the architecture computes, the source supplies weights."""
 
     def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 max_context: int | None = None):
+                 max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
@@ -31,6 +31,7 @@ class CausalLM:
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
+        self.prefill_chunk = prefill_chunk  # a longer causal run goes through this many tokens per _forward
         self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
         self.host_compute = None  # host_compute.HostCompute: experts the CPU computes where they lie in RAM
         self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
@@ -58,23 +59,23 @@ class CausalLM:
         heads consume). An allocator out-of-memory error (KV cache, activations, a weight copy) fails this
         call with a DeviceOOMError; the cache is not advanced, so the request can be retried or dropped.
 
-        A causal run of more than PREFILL_CHUNK tokens (a long prompt) goes through in chunks of that many, each
+        A causal run of more than `prefill_chunk` tokens (a long prompt) goes through in chunks of that many, each
         attending to the cache: its activations stay what the planner charged for (planner/plan.py
         activation_bytes) instead of growing with the prompt's square. Each chunk reads the experts it routes
         to, so a prompt of n chunks may read a cache-missing expert up to n times."""
         with out_of_memory_as_error(f"forward pass on {self.device}"):
-            if mask is None and positions is None and tokens.shape[0] > PREFILL_CHUNK:
+            if mask is None and positions is None and tokens.shape[0] > self.prefill_chunk:
                 return self._chunked(tokens, cache, last_only, return_hidden)
             return self._forward(tokens, cache, positions, mask, last_only, return_hidden)
 
     def _chunked(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, return_hidden: bool
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """forward() one PREFILL_CHUNK at a time: the rows it would return, the cache advanced by all of them, or
+        """forward() one prefill_chunk at a time: the rows it would return, the cache advanced by all of them, or
         on a failure by none (the chunks that went through are trimmed off where the cache can rewind)."""
         start, outs = cache.length, []
         try:
-            for at in range(0, tokens.shape[0], PREFILL_CHUNK):
-                out = self._forward(tokens[at:at + PREFILL_CHUNK], cache, None, None, last_only, return_hidden)
+            for at in range(0, tokens.shape[0], self.prefill_chunk):
+                out = self._forward(tokens[at:at + self.prefill_chunk], cache, None, None, last_only, return_hidden)
                 outs.append(out if return_hidden else (out, None))
         except BaseException as failure:
             try:

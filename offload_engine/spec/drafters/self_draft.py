@@ -71,7 +71,8 @@ class SelfDrafter:
         self.cache = cache
         self.resident = resident
         self.routing = RestrictedRouting(model.ops, experts_per_token)
-        self.model = CausalLM(model.checkpoint, model.source, model.device, model.dtype, model.max_context)
+        self.model = CausalLM(model.checkpoint, model.source, model.device, model.dtype, model.max_context,
+                              model.prefill_chunk)
         self.model.ops = self.routing  # the drafter's own CausalLM: same layer loop, restricted routing
 
     def rewind(self, n: int) -> None:
