@@ -10,7 +10,7 @@ from offload_engine import Engine
 from offload_engine.errors import ConfigError
 from offload_engine.runtime.moe import routed_experts
 from offload_engine.store.policy import FLOOR_ROOM, POLICIES, Usage, choose_victim, resolved
-from tools.trace_experts import accesses, main as trace_main, simulate
+from tools.trace_experts import accesses, acquisitions, main as trace_main, simulate
 
 FLOOR = 2  # experts per token per layer in these cases
 ROOMY = FLOOR_ROOM * FLOOR  # a layer share at which lru-floor is itself
@@ -79,8 +79,36 @@ def test_replay_runs_every_policy(tmp_path, capsys):
     for size in ("6", "12", "24"):
         assert set(rows["hit_rates"][size]) == set(POLICIES) | {"optimal"}
         assert all(rows["hit_rates"][size]["optimal"] >= rate for rate in rows["hit_rates"][size].values())
-    seq = accesses(trace)
-    assert simulate(seq, 36, "lru-floor", 3, 2) == simulate(seq, 36, "lru", 3, 2)  # all fit: policy-free
+    groups = acquisitions(trace)
+    assert simulate(groups, 36, "lru-floor", 3, 2) == simulate(groups, 36, "lru", 3, 2)  # all fit: policy-free
+
+
+def test_replay_never_evicts_what_the_same_acquire_holds():
+    """As in TieredStore.acquire: a layer's resident experts stay while its misses take slots. Evicting one
+    access at a time, expert 3 (first in the third acquire) would push out expert 1, the least recent, which the
+    same acquire then misses; held, 1 stays and 2 goes."""
+    held = [[(0, 1)], [(0, 2)], [(0, 3), (0, 1)], [(0, 1)]]  # two slots
+    assert simulate(held, 2, "lru", 1) == 2 / 5  # 1 hits in the third and the fourth acquire
+    assert simulate([[(0, 1)], [(0, 2)], [(0, 3)], [(0, 1)], [(0, 1)]], 2, "lru", 1) == 1 / 5  # one per acquire
+
+
+def test_replay_predicts_the_stores_misses(checkpoint_factory):
+    """The replay of a recorded trace against the engine itself, same routing, same slots, prefetch off."""
+    from offload_engine import Budget
+
+    from tools.trace_experts import routing_trace
+
+    path = checkpoint_factory("qwen3_moe", "offload")
+    prompt, new = list(range(3, 19)), 24
+    recorded = routing_trace(path, [prompt], new, 64)
+    for policy in ("layer-lru", "lru-floor"):
+        with Engine.open(path, budget=Budget(ram="25%"), max_context=64, policy=policy, prefetch=False) as engine:
+            slots = len(engine.store.compute.pools["expert"])
+            engine.generate(prompt, max_new_tokens=new, ignore_eos=True)
+            misses = engine.store.stats.misses[engine.store.compute.name]
+        groups = acquisitions(recorded)
+        predicted = (1 - simulate(groups, slots, policy, 4, 4)) * sum(map(len, groups))
+        assert abs(predicted - misses) <= 0.05 * misses, (policy, predicted, misses)  # measured: 2% and 0%
 
 
 @pytest.mark.parametrize("seed", range(5))
