@@ -69,12 +69,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """None: OFFLOAD_ENGINE_DEVICE if set (the test suite sets 'cpu'), else cuda when available, else cpu."""
-    source = "--device"
-    if device is None:
-        device = os.environ.get("OFFLOAD_ENGINE_DEVICE")
-        source = "OFFLOAD_ENGINE_DEVICE"
-        if not device:
-            device, source = ("cuda" if torch.cuda.is_available() else "cpu"), "--device"
+    source = "--device"  # what an error names
+    if device is None and os.environ.get("OFFLOAD_ENGINE_DEVICE"):
+        device, source = os.environ["OFFLOAD_ENGINE_DEVICE"], "OFFLOAD_ENGINE_DEVICE"
+    elif device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -121,7 +121,7 @@ def test_recency_heap_finds_the_least_recent_slot_a_predicate_accepts(seed):
     from offload_engine.store.tier import Slot, Tier
 
     rng = random.Random(seed)
-    tier = Tier("device", torch.device("cpu"), set())
+    tier = Tier("device", torch.device("cpu"), set(), recency_kinds={"expert"})
     pool = tier.pools["expert"] = [Slot("device", "expert", i, torch.empty(0)) for i in range(24)]
     tick = 0
     for _ in range(600):
@@ -154,3 +154,15 @@ def test_record_samples_with_a_seed(checkpoint_factory, tmp_path):
                            "--out", str(out)] + extra) == 0
         traces.append(json.loads(out.read_text())["steps"])
     assert traces[1] == traces[2] and traces[1] != traces[0]
+
+
+def test_the_recency_heap_is_kept_only_where_lru_floor_rules(checkpoint_factory):
+    from offload_engine import Budget
+
+    path = checkpoint_factory("qwen3_moe", "offload")
+    for policy, ram, kept in (("lru-floor", "25%", {"expert"}), ("layer-lru", "25%", set()),
+                              ("lru-floor", "10%", set())):  # 10%: too little room, it is layer-lru
+        with Engine.open(path, budget=Budget(ram=ram), max_context=64, policy=policy) as engine:
+            engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+            tier = engine.store.compute
+            assert tier.recency_kinds == kept and bool(tier.recency) == bool(kept), (policy, ram)

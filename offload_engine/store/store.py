@@ -123,6 +123,8 @@ class TieredStore:
                 for kind, n in plan.slots.items():
                     tier.allocate(kind, n, placement.sizes[kind].slot_bytes, ledger,
                                   pin_memory=cuda and tier.name == "host")
+                if self._expert_policy(tier) == "lru-floor":  # its victims come from the tier's recency heap
+                    tier.recency_kinds.add("expert")
             self.row_caches = self._row_caches(ledger)
             self.pool = ReaderPool(threads, bounce_bytes if direct_io else 0, self.stats.read_busy)
             self._load_pinned(progress)
@@ -317,15 +319,23 @@ class TieredStore:
                     best = s
         return best
 
+    def _layer_share(self, tier: Tier, kind: str) -> int:
+        """Slots of `kind` per MoE layer in `tier` (layer-lru's share)."""
+        return max(1, len(tier.pools.get(kind, [])) // self._expert_layers)
+
+    def _expert_policy(self, tier: Tier) -> str:
+        """The eviction rule `tier`'s expert cache runs under (policy.resolved: lru-floor needs room)."""
+        return resolved(self.policy, self._layer_share(tier, "expert"), self._expert_floor)
+
     def _victim(self, tier: Tier, key: UnitKey, used_before: int | None, prefetching: bool) -> Slot | None:
         """The unit to evict per policy, among evictable ones (call with the lock held). layer-lru looks at the
         incoming unit's layer and at the layer holding the most slots, not at every slot (O(slots per layer) per
         miss); lru-floor walks the tier's recency heap from its least recent end; the other policies, and these
         two when those find nothing, scan the pool."""
         pool = tier.pools.get(key.kind, [])
-        share, floor = max(1, len(pool) // self._expert_layers), self._expert_floor
+        share, floor = self._layer_share(tier, key.kind), self._expert_floor
         # the policy governs expert caches; the few streaming slots of other kinds are plain LRU
-        policy = resolved(self.policy, share, floor) if key.kind == "expert" else "lru"
+        policy = self._expert_policy(tier) if key.kind == "expert" else "lru"
 
         def usable(s: Slot) -> bool:
             if s.loading is not None:

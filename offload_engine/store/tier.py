@@ -48,8 +48,10 @@ class Tier:
     # slots handed to a prefetch and marked stale, per kind: registers pruned when read (their flags decide)
     prefetched: dict[str, dict[int, Slot]] = field(default_factory=dict)
     stale: dict[str, dict[int, Slot]] = field(default_factory=dict)
-    # per kind, (last_use, index) of every stamp (Tier.stamp): a heap whose entries go stale when their slot is
-    # stamped again or emptied, dropped when met, so finding the least recent unit that may go costs a few pops
+    # per kind in recency_kinds (those whose eviction walks LRU order: the store's lru-floor), (last_use, index) of
+    # every stamp (Tier.stamp): a heap whose entries go stale when their slot is stamped again or emptied, dropped
+    # when met, so finding the least recent unit that may go costs a few pops
+    recency_kinds: set[str] = field(default_factory=set)
     recency: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
 
@@ -108,6 +110,8 @@ class Tier:
     def stamp(self, slot: Slot, tick: int) -> None:
         """Record a use of `slot` at store tick `tick` (every change of `last_use` goes through here)."""
         slot.last_use = tick
+        if slot.kind not in self.recency_kinds:
+            return
         heap = self.recency.setdefault(slot.kind, [])
         heapq.heappush(heap, (tick, slot.index))
         if len(heap) > 4 * len(self.pools.get(slot.kind, ())) + 64:  # mostly stale entries: rebuild
@@ -115,7 +119,8 @@ class Tier:
             heapq.heapify(heap)
 
     def least_recent(self, kind: str, may_go: Callable[[Slot], bool]) -> Slot | None:
-        """The least recently used occupied slot of `kind` that `may_go` accepts (ties: the lower index)."""
+        """The least recently used occupied slot of `kind` (one of recency_kinds) that `may_go` accepts (ties: the
+        lower index)."""
         heap, pool, passed, found = self.recency.get(kind, []), self.pools.get(kind, []), [], None
         while heap and found is None:
             last, index = heapq.heappop(heap)
