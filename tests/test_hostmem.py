@@ -39,6 +39,43 @@ def test_no_memory_is_an_out_of_memory_error(monkeypatch):
         host_buffer(HUGE_PAGE * 4)
 
 
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.parametrize("populate_advice", ["kernel", "refused"])
+def test_a_region_is_faulted_in_when_made(monkeypatch, populate_advice):
+    """Its pages are resident before first use (a direct read must not fault them in on the reader's path), and
+    only the bytes asked for: where the kernel refuses MADV_POPULATE_WRITE (EINVAL before Linux 5.14), a byte per
+    page is written instead."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE on this OS: host_buffer is torch.empty")
+    if populate_advice == "refused":
+        monkeypatch.setattr(hostmem, "MADV_POPULATE_WRITE", -1)  # an advice no kernel knows: EINVAL
+    n = 32 * HUGE_PAGE + 12345
+    gc.collect()
+    before = _rss()
+    buf = host_buffer(n)
+    grown = _rss() - before
+    assert n - HUGE_PAGE <= grown <= n + 4 * HUGE_PAGE, (grown, n)
+    assert int(buf[::hostmem.PAGE].sum()) == 0  # anonymous memory reads as zeros either way
+
+
+def test_no_memory_to_fault_in_is_an_out_of_memory_error(monkeypatch):
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE on this OS: host_buffer is torch.empty")
+
+    class Overcommitted(mmap.mmap):  # the mapping succeeds, faulting its pages in finds no memory
+        def madvise(self, option, *args):
+            if option == hostmem.MADV_POPULATE_WRITE:
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return super().madvise(option, *args)
+    monkeypatch.setattr(hostmem.mmap, "mmap", Overcommitted)
+    with pytest.raises(torch.OutOfMemoryError, match="fault in"):
+        host_buffer(HUGE_PAGE * 4)
+
+
 def test_each_cpu_slot_pool_is_one_region(checkpoint_factory):
     """A CPU tier's pool of a kind is one region sliced into slots, whether it caches (a budget) or pins
     every unit (none)."""

@@ -42,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the engine next to this script, also when run from a snapshot of the repo
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
@@ -136,6 +137,47 @@ def wait_for_quiet(max_wait: float, cores: float = 0.3) -> float:
     return time.perf_counter() - start
 
 
+# A virtual machine with free page reporting (virtio-balloon) hands memory the guest frees back to its host a
+# couple of seconds later, and on this project's VM the host's work on it stalls the virtual disk: after the
+# resident engine (2.6 GB) closed, the next engine's decode reads took up to 60-110 ms each and its wait was
+# 10-23 ms/token, against 2.6-5.8 (max read 5-34 ms) with the freed memory reported first (tools/bench.py's own
+# sequence, 3 rounds each; the reporting interrupts fell from 6 to 2 per measured request). So after closing a
+# model, the bench waits for the reporting to finish before it measures the next one.
+REPORTING_DELAY_S = 2.5  # the kernel reports free pages 2 s after they are freed (page_reporting_delay)
+SETTLE_MIN_BYTES = 256 << 20  # a smaller free (the --quick checkpoint's) is not waited for
+
+
+def reporting_interrupts() -> int | None:
+    """Free page reporting requests served so far (virtio-balloon's "reporting" interrupts), or None."""
+    try:
+        with open("/proc/interrupts") as f:
+            line = next((line for line in f if "reporting" in line), None)
+    except OSError:
+        return None
+    if line is None:
+        return None
+    return sum(int(v) for v in line.split()[1:] if v.isdigit())
+
+
+def settle_freed_memory(rss_before: int, max_wait: float = 15.0, quiet: float = 1.0) -> float:
+    """After a model's memory was freed (the process's RSS was `rss_before`): wait until the VM has reported it to
+    its host (no reporting interrupt for `quiet` s, at least REPORTING_DELAY_S after the call, at most
+    `max_wait`); returns the seconds waited. Returns at once where the VM does not report free pages or less
+    than SETTLE_MIN_BYTES were freed."""
+    if reporting_interrupts() is None or rss_before - psutil.Process().memory_info().rss < SETTLE_MIN_BYTES:
+        return 0.0
+    start = time.perf_counter()
+    time.sleep(REPORTING_DELAY_S)
+    last = reporting_interrupts()
+    while time.perf_counter() - start < max_wait:
+        time.sleep(quiet)
+        now = reporting_interrupts()
+        if now == last:
+            break
+        last = now
+    return time.perf_counter() - start
+
+
 def evict(paths: list[Path], sync: bool = False) -> None:
     """Drop these files' pages from the page cache (their next read comes from the disk). DONTNEED skips dirty
     pages, so files just written (accelerate's offload folder) need sync=True once."""
@@ -172,9 +214,11 @@ def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int
         wait_for_quiet(quiet)
         return _measured_request(engine, pct, prompt, steps, open_s, progress, prefetch)
     finally:
+        rss = psutil.Process().memory_info().rss
         engine.close()
         del engine
         gc.collect()
+        settle_freed_memory(rss)
 
 
 def _measured_request(engine: Engine, pct: float | None, prompt: list[int], steps: int, open_s: float,
@@ -288,8 +332,10 @@ def run_peer(model: Path, pct: float, budget_bytes: int, modes: list[str], promp
                                  m.cpu_util, m.others_cpu, placed.get("disk", 0), placed.get("cpu", 0), load_s)
         return runs
     finally:
+        rss = psutil.Process().memory_info().rss
         del peer
         gc.collect()
+        settle_freed_memory(rss)
         shutil.rmtree(offload, ignore_errors=True)
 
 
@@ -643,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                      "context": args.context,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
+                     "settles_freed_memory": reporting_interrupts() is not None,
                      "prefetch_modes": args.prefetch, "rounds": args.rounds, "policy": args.policy},
         "probe": {"disk": disk, "disk_bandwidth_start_end": disk_bandwidth(disk), "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},

@@ -9,7 +9,15 @@ then per allocation, so a 3 MiB slot still gets one huge page and 1 MiB of small
 region here instead.
 
 Only the 2 MiB-aligned interior is advised, and the region's tail past `nbytes` is never touched, so the
-process's resident memory stays within the bytes asked for (what the ledger charged). Pinned (CUDA host) pools
+process's resident memory stays within the bytes asked for (what the ledger charged).
+
+The bytes asked for are faulted in when the region is made (MADV_POPULATE_WRITE; touching a byte per page where
+the kernel lacks it), not at their first use. A slot's first use is a direct read into it, and the kernel then
+faults its pages in on the reader's path: on this project's VM (which hands freed guest memory back to its
+host) a 3 MiB O_DIRECT read into never-touched memory took 1.3-5.5 ms against 0.9 ms into touched memory, and a
+fresh engine at 25% of the bench model paid it on most of its first ~150 misses. Populating also surfaces a lack
+of memory at open, as an error, instead of as the OOM killer in the middle of a request. CUDA's pinned pools are
+faulted in by page-locking anyway. Pinned (CUDA host) pools
 are such regions too, page-locked in place (`pinned_host_buffer`): torch's pinned allocator rounds every
 allocation up to a power of two. Device memory keeps torch's allocator.
 """
@@ -23,6 +31,8 @@ from typing import Callable
 import torch
 
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; the mmap module names it from 3.13
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -44,7 +54,22 @@ def host_buffer(nbytes: int) -> torch.Tensor:
         region.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     except OSError:  # THP disabled or unsupported: ordinary pages, still correct
         pass
-    return whole[start:start + nbytes]
+    buf = whole[start:start + nbytes]
+    populate(region, start, buf)
+    return buf
+
+
+def populate(region: mmap.mmap, start: int, buf: torch.Tensor) -> None:
+    """Fault in `buf`'s pages (`buf` = region[start:start + len]; `start` page-aligned), see the module's note."""
+    length = -(-buf.numel() // PAGE) * PAGE
+    try:
+        region.madvise(MADV_POPULATE_WRITE, start, length)
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOMEM, errno.EFAULT):  # EFAULT: populating failed for lack of memory too
+            raise torch.OutOfMemoryError(f"cannot fault in {buf.numel()} bytes of host memory: {e.strerror}") from None
+        # EINVAL: a kernel before 5.14; write a byte per page instead (the same faults, one by one)
+    buf[::PAGE].zero_()
 
 
 def pinned_host_buffer(nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
