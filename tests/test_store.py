@@ -130,11 +130,13 @@ def test_throttled_reads_give_identical_tokens(checkpoint_factory):
 
 
 def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
-    """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read, at
-    whatever page offset the unit starts in its shard and however the slot is aligned; units of several ranges
-    and slots without the slack are declined (the caller bounces)."""
+    """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read and
+    begin at a page boundary (the CPU's prefetchers stop at pages), at whatever page offset the unit starts in its
+    shard and however the slot is aligned; units of several ranges and slots without the slack are declined (the
+    caller bounces)."""
     from offload_engine.checkpoint.model import open_model
-    from offload_engine.store.disk import DIRECT_SLACK, ShardFiles, open_direct, read_unit, read_unit_direct
+    from offload_engine.store.disk import (ALIGN, DIRECT_SLACK, ShardFiles, open_direct, read_unit,
+                                           read_unit_direct)
 
     checkpoint = open_model(checkpoint_factory("qwen3_moe", "offload"))
     files = ShardFiles(checkpoint.index.shards)
@@ -157,6 +159,7 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
                 continue
             direct += 1
             assert torch.equal(slot[at:at + layout.nbytes], expected), layout.key
+            assert (slot.data_ptr() + at) % ALIGN == 0, layout.key
             views = layout.views(slot[at:])  # typed views of the shifted unit
             assert all(v.data_ptr() % v.element_size() == 0 for v in views.values())
             assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files) is None  # no slack
