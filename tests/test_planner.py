@@ -473,3 +473,20 @@ def test_scale_table_row():
     rows = scale_rows(["Mixtral-8x7B"], ["rtx4070-12gb"], ["int4"])
     assert rows[0]["tok_s"]["expected"] > 0
     assert "| Mixtral-8x7B | rtx4070-12gb | int4 |" in scale_markdown(rows)
+
+
+def test_large_slots_are_whole_pages_and_start_pages_in_a_host_region():
+    """Slots of 1 MiB and more are rounded to whole pages, so in a page-aligned region every slot starts a page
+    (weight rows straddling pages are slower to stream); smaller ones only to 64 bytes (tiny units stay tiny)."""
+    import mmap
+
+    from offload_engine.checkpoint.naming import UnitKey
+    from offload_engine.planner.placement import PAGE, kind_sizes
+    from offload_engine.store.hostmem import host_buffer
+
+    sizes = kind_sizes({UnitKey(0, "expert", 0): (3 << 20) + 100, UnitKey(0, "dense"): 1000})
+    assert sizes["expert"].slot_bytes == (3 << 20) + PAGE
+    assert sizes["dense"].slot_bytes == 1024
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # where host regions are page-aligned (Linux)
+        slots = host_buffer(4 * sizes["expert"].slot_bytes).split(sizes["expert"].slot_bytes)
+        assert all(s.data_ptr() % PAGE == 0 for s in slots)
