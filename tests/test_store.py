@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,18 +132,54 @@ def test_throttled_reads_give_identical_tokens(checkpoint_factory):
     assert 0 < stats["stall_s_per_token"] * steps < stats["io_wait_s"]
 
 
-def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
-    """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read and
-    begin at a page boundary (the CPU's prefetchers stop at pages), at whatever page offset the unit starts in its
-    shard and however the slot is aligned; units of several ranges and slots without the slack are declined (the
-    caller bounces)."""
-    from offload_engine.checkpoint.model import open_model
-    from offload_engine.store.disk import (ALIGN, DIRECT_SLACK, ShardFiles, open_direct, read_unit,
-                                           read_unit_direct)
+SHM = Path("/dev/shm")
 
-    checkpoint = open_model(checkpoint_factory("qwen3_moe", "offload"))
+
+def _checkpoint_in_shm(folder: Path) -> Path | None:
+    """A copy of `folder` in /dev/shm where its tmpfs takes O_DIRECT reads into memory aligned to only 4 bytes (as
+    NVMe does), so the read that lands a unit page-aligned runs for real here; None where it does not."""
+    if not SHM.is_dir():
+        return None
+    probe = SHM / f"offload-engine-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(8192))
+        fd = os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            os.preadv(fd, [memoryview(bytearray(8192))[4:4 + 4096]], 512)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        probe.unlink(missing_ok=True)
+    copy = Path(tempfile.mkdtemp(dir=SHM))
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    return copy
+
+
+@pytest.mark.parametrize("alignment", ["page", "reported", "fine"])
+def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alignment, monkeypatch):
+    """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read and
+    begin at a page boundary (the CPU's prefetchers stop at pages), at whatever offset the unit starts in its
+    shard and however the slot is aligned; units of several ranges and slots without the slack are declined (the
+    caller bounces). Under each alignment a read may ask for: a page (where the system does not say), what this
+    file system reports (statx), and NVMe's 4 bytes / 512 (on a tmpfs copy), where every read lands the unit
+    in place instead of moving it."""
+    from offload_engine.checkpoint.model import open_model
+    from offload_engine.store import disk
+    from offload_engine.store.disk import (ALIGN, DIRECT_SLACK, PAGE_DIRECT, DirectAlign, ShardFiles,
+                                           direct_alignment, open_direct, read_unit, read_unit_direct)
+
+    folder = checkpoint_factory("qwen3_moe", "offload")
+    if alignment == "fine":
+        folder = _checkpoint_in_shm(folder)
+        if folder is None:
+            pytest.skip("no tmpfs here that takes O_DIRECT reads into 4-byte aligned memory")
+    checkpoint = open_model(folder)
     files = ShardFiles(checkpoint.index.shards)
-    fds = {}
+    fds, moves = {}, []
+    memmove = disk.ctypes.memmove
+    monkeypatch.setattr(disk.ctypes, "memmove", lambda *args: (moves.append(args), memmove(*args))[1])
     try:
         direct, declined = 0, 0
         for i, layout in enumerate(checkpoint.layouts.values()):
@@ -148,11 +187,12 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
             fd = fds.setdefault(file, open_direct(file, files))
             if fd is None:
                 pytest.skip("this filesystem refuses O_DIRECT")
+            align = {"page": PAGE_DIRECT, "reported": direct_alignment(fd), "fine": DirectAlign(4, 512)}[alignment]
             expected = torch.zeros(layout.nbytes, dtype=torch.uint8)
             read_unit(files, layout, expected)
             backing = torch.full((layout.nbytes + DIRECT_SLACK + 64,), 0xAB, dtype=torch.uint8)
             slot = backing[8 * (i % 8):][:layout.nbytes + DIRECT_SLACK]  # slots at several alignments
-            at = read_unit_direct(fd, layout, slot, files)
+            at = read_unit_direct(fd, layout, slot, files, align)
             if at is None:
                 declined += 1
                 assert len(layout.read_ranges()) > 1
@@ -160,15 +200,33 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory):
             direct += 1
             assert torch.equal(slot[at:at + layout.nbytes], expected), layout.key
             assert (slot.data_ptr() + at) % ALIGN == 0, layout.key
-            views = layout.views(slot[at:])  # typed views of the shifted unit
-            assert all(v.data_ptr() % v.element_size() == 0 for v in views.values())
-            assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files) is None  # no slack
+            assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files, align) is None  # no slack
         assert direct > 0
+        if alignment != "reported":  # NVMe's alignment lands every unit; a page's moves those not on one
+            assert (len(moves) == 0) == (alignment == "fine")
     finally:
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)
         files.close()
+        if alignment == "fine":
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_direct_alignment_is_what_the_file_system_reports_or_a_page(tmp_path):
+    from offload_engine.store.disk import ALIGN, PAGE_DIRECT, direct_alignment, open_direct
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    fd = open_direct(path)
+    if fd is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    try:
+        align = direct_alignment(fd)
+        assert all(0 < a <= ALIGN and a & (a - 1) == 0 for a in (align.memory, align.offset))
+    finally:
+        os.close(fd)
+    assert direct_alignment(-1) == PAGE_DIRECT  # statx fails: a page, which every filesystem accepts
 
 
 def test_slot_indexes_agree_with_the_slots(checkpoint_factory):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -191,49 +193,89 @@ def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryv
     _verify_after(fd, r, files)
 
 
+@dataclass(frozen=True)
+class DirectAlign:
+    """What O_DIRECT on a file asks of a read: the memory address aligned to `memory` bytes, the file offset and
+    the length to `offset` bytes (statx STATX_DIOALIGN, Linux >= 6.1; ext4 and xfs report the disk's DMA alignment
+    and logical block: 4 and 512 bytes on NVMe, 512 and 512 on this VM's virtio disk)."""
+    memory: int
+    offset: int
+
+
+PAGE_DIRECT = DirectAlign(ALIGN, ALIGN)  # where the system does not say: a page, which every filesystem accepts
+STATX_DIOALIGN, AT_EMPTY_PATH = 0x2000, 0x1000
+_STATX_SIZE, _STATX_DIO_MEM_ALIGN = 256, 152  # struct statx: its size, and where stx_dio_mem_align (u32) is
+
+
+def direct_alignment(fd: int) -> DirectAlign:
+    """The O_DIRECT alignment the file of `fd` reports; PAGE_DIRECT where it reports none (an older kernel or C
+    library, a filesystem that does not say, not Linux) or something larger than a page."""
+    try:
+        statx = ctypes.CDLL(None, use_errno=True).statx
+    except (AttributeError, OSError):
+        return PAGE_DIRECT
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if statx(fd, b"", AT_EMPTY_PATH, STATX_DIOALIGN, buf) != 0:
+        return PAGE_DIRECT
+    mask = int.from_bytes(buf.raw[0:4], sys.byteorder)
+    memory, offset = (int.from_bytes(buf.raw[at:at + 4], sys.byteorder)
+                      for at in (_STATX_DIO_MEM_ALIGN, _STATX_DIO_MEM_ALIGN + 4))
+    if not mask & STATX_DIOALIGN or not all(0 < a <= ALIGN and a & (a - 1) == 0 for a in (memory, offset)):
+        return PAGE_DIRECT
+    return DirectAlign(memory, offset)
+
+
 # A slot read straight from O_DIRECT needs room for up to ALIGN - 1 bytes to reach a page boundary in the slot, up to
-# ALIGN - 1 bytes of file before the unit (its offset within its page) and the tail of the last page.
+# ALIGN - 1 bytes of file before the unit (its offset within an aligned block) and the tail of the last block.
 DIRECT_SLACK = 3 * ALIGN
 
 
-def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: ShardFiles | None = None) -> int | None:
-    """O_DIRECT straight into the slot, no bounce buffer: the unit's one range is read with its page-aligned
-    surroundings into a page-aligned part of `blob`, then moved down to that page boundary. Returns where the
-    unit's bytes begin in `blob` (the slot's offset for its views), or None when this unit cannot be read so
-    (several ranges, a slot without DIRECT_SLACK, or tensors whose file offsets would leave a typed view
-    misaligned): use read_range_direct.
+def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: ShardFiles | None = None,
+                     align: DirectAlign = PAGE_DIRECT) -> int | None:
+    """O_DIRECT straight into the slot, no bounce buffer: the unit's one range is read with its aligned
+    surroundings so that the unit begins at a page boundary of `blob`. Returns where the unit's bytes begin in
+    `blob` (the slot's offset for its views), or None when this unit cannot be read so (several ranges, a slot
+    without DIRECT_SLACK, or tensors whose file offsets would leave a typed view misaligned): use
+    read_range_direct.
 
-    Why the move: left at its offset in the file's page, every 4 KiB row of a weight matrix straddles two pages,
-    and the CPU's stream prefetchers, which stop at page boundaries, restart mid-row: the bench model's expert
-    (3 x 1 MiB fp32, 1024-float rows) took 266-271 us per decode call at page offsets 0x760-0xf00 against
-    249-251 us page-aligned. The move costs the reader thread ~0.2 ms per 3 MiB (ctypes.memmove releases the
-    GIL), once per read; the offset pays on every use. (Landing the bytes page-aligned straight from the disk
-    would need a DMA alignment finer than the file's page offset: 512 bytes on this VM's virtio disk.)"""
+    Why a page boundary: at its offset in the file's page, every 4 KiB row of a weight matrix straddles two
+    pages, and the CPU's stream prefetchers, which stop at page boundaries, restart mid-row: the bench model's
+    expert (3 x 1 MiB fp32, 1024-float rows) took 266-271 us per decode call at page offsets 0x760-0xf00 against
+    249-251 us page-aligned. Where the file's DMA alignment allows (`align.memory` divides the unit's offset in
+    its aligned block: NVMe's 4 bytes always do), the read lands it there; otherwise (this VM's 512 bytes) it is
+    read to an aligned address and moved down on the reader thread (~0.17 ms per 3 MiB; ctypes.memmove releases
+    the GIL), once per read, where the misaligned views would cost on every use."""
     r = layout.single_range
     if r is None:
         return None
-    pad = -blob.data_ptr() % ALIGN
-    start = r.file_offset - r.file_offset % ALIGN
-    length = -(-(r.file_offset + r.nbytes - start) // ALIGN) * ALIGN
-    if pad + length > blob.numel():
+    lead = r.file_offset % align.offset  # bytes of file read before the unit
+    grain = max(align.offset, align.memory)  # lengths: the file's block, and every chunk's start stays aligned
+    length = -(-(lead + r.nbytes) // grain) * grain
+    base = blob.data_ptr()
+    lands = lead % align.memory == 0
+    # reading to `dest`, the unit begins at `at`, a page boundary (moved there when the read cannot land it so)
+    at = -(base + lead) % ALIGN + lead if lands else -base % ALIGN
+    dest = at - lead if lands else at
+    if dest + length > blob.numel():
         return None
-    dest = memoryview(blob.numpy()).cast("B")[pad:pad + length]
-    _pread_aligned(fd, r, start, r.file_offset + r.nbytes, dest, files)
+    _pread_aligned(fd, r, r.file_offset - lead, r.file_offset + r.nbytes,
+                   memoryview(blob.numpy()).cast("B")[dest:dest + length], files, grain)
     _verify_after(fd, r, files)
-    if r.file_offset > start:  # overlapping, to a lower address: memmove's case
-        ctypes.memmove(blob.data_ptr() + pad, blob.data_ptr() + pad + r.file_offset - start, r.nbytes)
-    return pad
+    if not lands and lead:  # overlapping, to a lower address: memmove's case
+        ctypes.memmove(base + at, base + at + lead, r.nbytes)
+    return at
 
 
 def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memoryview,
-                   files: ShardFiles | None) -> int:
-    """Aligned O_DIRECT reads of the file from `start` (page-aligned) into `buf` (page-aligned), READ_CHUNK bytes
-    per call so the stall watchdog sees progress, until the bytes up to `need_end` are in. Returns how many bytes
-    from `start` are valid (at least need_end - start). Short reads re-read from the last whole page."""
+                   files: ShardFiles | None, grain: int = ALIGN) -> int:
+    """Aligned O_DIRECT reads of the file from `start` (a multiple of `grain`) into `buf` (aligned as the file
+    asks), READ_CHUNK bytes per call so the stall watchdog sees progress, until the bytes up to `need_end` are in.
+    Returns how many bytes from `start` are valid (at least need_end - start). Short reads re-read from the last
+    whole grain."""
     end = r.file_offset + r.nbytes
     done, stuck = 0, 0
     while start + done < need_end:
-        want = min(READ_CHUNK, -(-(need_end - start - done) // ALIGN) * ALIGN, len(buf) - done)
+        want = min(READ_CHUNK, -(-(need_end - start - done) // grain) * grain, len(buf) - done)
         pos = start + done
         try:
             with reading(r.file, pos, want):
@@ -249,7 +291,7 @@ def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memory
             _raise_if_shorter(fd, r, at)
             raise IOFault(r.file, at, None, f"unexpected end of file: wanted {end - at} more bytes")
         if n < want and pos + n < need_end:  # short read inside the range: continue from the last whole page
-            whole = n - n % ALIGN
+            whole = n - n % grain
             if whole == 0:
                 stuck += 1
                 if stuck > 8:

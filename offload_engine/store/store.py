@@ -32,8 +32,8 @@ from ..interrupts import finish_despite_interrupts
 from ..errors import BudgetError, EngineClosedError
 from ..planner.placement import Placement
 from ..runtime.weights import Weights
-from .disk import (BOUNCE_BYTES, ShardFiles, drop_cache, open_direct, read_range, read_range_direct,
-                   read_unit_direct)
+from .disk import (BOUNCE_BYTES, PAGE_DIRECT, DirectAlign, ShardFiles, direct_alignment, drop_cache, open_direct,
+                   read_range, read_range_direct, read_unit_direct)
 from .gds import GdsReader
 from .ledger import Ledger
 from .policy import Usage, aged_count, choose_victim, layer_to_evict, may_take, resolved
@@ -92,6 +92,7 @@ class TieredStore:
         self.files = ShardFiles(checkpoint.index.shards)
         self._read_fn = read_fn or read_range
         self._direct_fds: dict = {}
+        self._direct_aligns: dict[os.PathLike, DirectAlign] = {}  # what O_DIRECT asks of each file opened so
         self.direct_io = direct_io
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -186,7 +187,7 @@ class TieredStore:
         """O_DIRECT straight into the slot (no bounce copy) when the unit allows it: the offset of its bytes."""
         r = layout.single_range
         fd = self._direct_fd(r.file) if r is not None else None
-        return None if fd is None else read_unit_direct(fd, layout, blob, self.files)
+        return None if fd is None else read_unit_direct(fd, layout, blob, self.files, self._direct_aligns[r.file])
 
     def _read_ranges(self, ranges: Iterable[ReadRange], blob: torch.Tensor) -> None:
         for r in ranges:
@@ -230,7 +231,8 @@ class TieredStore:
         """Cached O_DIRECT descriptor (None: refused by the filesystem); checked against the index's identity."""
         with self._lock:
             if path not in self._direct_fds:
-                self._direct_fds[path] = open_direct(path, self.files)
+                fd = self._direct_fds[path] = open_direct(path, self.files)
+                self._direct_aligns[path] = direct_alignment(fd) if fd is not None else PAGE_DIRECT
             return self._direct_fds[path]
 
     def _copy(self, src: Slot, dst: Slot, key: UnitKey) -> None:
