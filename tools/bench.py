@@ -7,8 +7,9 @@ token against a physical bound, max(resident compute time, bytes read and used /
 The resident compute time is measured right before and right after each budget's engine runs (their mean is the
 bound's), not once: this VM's CPU speed drifts by up to ~15% over minutes (user CPU per token of the same work),
 as much as the bound's margin, and one side of the engine's run alone would lean with the drift. Each budget runs
-`--rounds` rounds (default 3), each between two resident runs; the table shows the median round against its
-bound and the spread of all rounds, the JSON every run.
+`--rounds` rounds (default 5), each between two resident runs; the table shows the median round against its
+bound and the spread of all rounds, the JSON every run. (Single runs of the same work differ by up to ~18% on
+this VM; at 25%, single rounds of one build in one session ranged 1.04-1.47 of the bound: five rounds.)
 
     python tools/bench.py                          # bench checkpoint (built if missing), budgets 100,50,25,10
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
@@ -620,7 +621,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the engine's expert cache eviction policy (default: Engine.open's)")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="engine runs per budget and prefetch mode, each between two resident runs; the table "
-                         "shows the median round and the spread (default 3; --quick 1)")
+                         "shows the median round and the spread (default 5; --quick 1)")
     ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
                     help="torch intra-op threads for both systems (default: torch's own choice)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
@@ -630,7 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.budgets, args.tokens, args.prompt_len, args.probe_mib = "100,25", 4, 4, 8
-    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 5
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     args.json = args.json or str(Path(args.work_dir) / "bench.json")
