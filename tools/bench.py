@@ -355,7 +355,7 @@ def source_state() -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+                                  timeout=10).stdout.rstrip("\n")  # not strip(): porcelain lines start " M"
         except (OSError, subprocess.SubprocessError):
             return ""
     digest = hashlib.sha256()
