@@ -290,7 +290,7 @@ def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memory
                 files.recheck(r.file, at)
             _raise_if_shorter(fd, r, at)
             raise IOFault(r.file, at, None, f"unexpected end of file: wanted {end - at} more bytes")
-        if n < want and pos + n < need_end:  # short read inside the range: continue from the last whole page
+        if n < want and pos + n < need_end:  # short read inside the range: continue from the last whole grain
             whole = n - n % grain
             if whole == 0:
                 stuck += 1
