@@ -162,7 +162,7 @@ def _checkpoint_in_shm(folder: Path) -> Path | None:
 
 
 @pytest.mark.parametrize("alignment", ["page", "reported", "fine"])
-def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alignment, monkeypatch):
+def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alignment, monkeypatch, request):
     """O_DIRECT straight into a slot with DIRECT_SLACK: every one-range unit's bytes equal a buffered read and
     begin at a page boundary (the CPU's prefetchers stop at pages), at whatever offset the unit starts in its
     shard and however the slot is aligned; units of several ranges and slots without the slack are declined (the
@@ -180,6 +180,7 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
         if folder is None:
             pytest.skip("no tmpfs here with room for the checkpoint that takes O_DIRECT reads into 4-byte aligned "
                         "memory")
+        request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
     checkpoint = open_model(folder)
     files = ShardFiles(checkpoint.index.shards)
     fds, moves = {}, []
@@ -205,6 +206,8 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
             direct += 1
             assert torch.equal(slot[at:at + layout.nbytes], expected), layout.key
             assert (slot.data_ptr() + at) % ALIGN == 0, layout.key
+            views = layout.views(slot[at:])  # typed views of the unit where it landed
+            assert all(v.data_ptr() % v.element_size() == 0 for v in views.values())
             assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files, align) is None  # no slack
         assert direct > 0
         if alignment != "reported":  # NVMe's alignment lands every unit; a page's moves those not on one
@@ -214,8 +217,6 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
             if fd is not None:
                 os.close(fd)
         files.close()
-        if alignment == "fine":
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_direct_alignment_is_what_the_file_system_reports_or_a_page(tmp_path):
