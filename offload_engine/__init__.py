@@ -5,7 +5,7 @@ from .config import Budget
 from .errors import (BudgetError, CheckpointError, CheckpointFormatError, ConfigError, DeviceOOMError,
                      EngineBusyError, EngineClosedError, IOFault, IOStallError, OffloadEngineError, PlanError)
 from .prefetch.prefetcher import PrefetchConfig
-from .spec.sampling import SamplingParams
+from .generate.sampling import SamplingParams
 
 __all__ = ["Engine", "Completion", "Budget", "PrefetchConfig", "SamplingParams", "CheckpointIndex", "OffloadEngineError",
            "CheckpointError", "CheckpointFormatError", "ConfigError", "BudgetError", "PlanError", "IOFault",

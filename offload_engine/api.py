@@ -33,10 +33,10 @@ from .runtime.host_compute import HostCompute, check_host_compute, measure_machi
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
-from .spec.cost import SpecStats
-from .spec.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
-from .spec.sampling import Sampler, SamplingParams
-from .spec.speculative import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
+from .speculative.chooser import SpecStats
+from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
+from .generate.sampling import Sampler, SamplingParams
+from .speculative.stepper import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
 from .store.build import build_store, plan_for
 from .store.policy import POLICIES
 from .store.store import ReadFn, TieredStore
@@ -369,7 +369,7 @@ def _cache_bytes(placement: Placement) -> int:
 def _open_draft(path: str | os.PathLike, budget: Budget | None, device: torch.device, dtype: torch.dtype,
                 context: int, tokenizer: Tokenizer | None, vocab_size: int, progress: bool) -> "Engine":
     """The draft model as an engine of its own (store, budget, reader threads), vocabulary checked now."""
-    from .spec.drafters.draft_model import check_same_vocabulary
+    from .speculative.drafters.draft_model import check_same_vocabulary
 
     draft = Engine.open(path, budget=budget, device=device, dtype=dtype, max_context=context + SPEC_ROOM + MAX_DEPTH,
                         prefetch=False, progress=progress)

@@ -186,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _generate(engine: Any, args: argparse.Namespace) -> int:
-    from .spec.decoder import FinishEvent
+    from .generate.decoder import FinishEvent
 
     if args.show_plan:
         print(engine.placement.describe(), file=sys.stderr)

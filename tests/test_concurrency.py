@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from offload_engine import Budget, Engine, EngineClosedError
-from offload_engine.spec.decoder import FinishEvent
+from offload_engine.generate.decoder import FinishEvent
 from tests.figures import Figures
 
 N = 8

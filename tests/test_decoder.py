@@ -7,8 +7,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from offload_engine.errors import ConfigError
-from offload_engine.spec.decoder import (FinishEvent, GenerationState, TokenEvent, decode_stream, drive)
-from offload_engine.spec.sampling import SamplingParams
+from offload_engine.generate.decoder import (FinishEvent, GenerationState, TokenEvent, decode_stream, drive)
+from offload_engine.generate.sampling import SamplingParams
 from offload_engine.tokenizer import Tokenizer
 
 EOS_TEXT = "<|endoftext|>"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from offload_engine import Budget, Engine, EngineClosedError, OffloadEngineError
-from offload_engine.spec.decoder import FinishEvent, TokenEvent
+from offload_engine.generate.decoder import FinishEvent, TokenEvent
 from offload_engine.store.disk import read_range
 from tests.figures import Figures
 

@@ -20,9 +20,9 @@ from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
 from offload_engine.errors import CheckpointFormatError  # noqa: E402
 from offload_engine.runtime.model import CausalLM  # noqa: E402
 from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count  # noqa: E402
-from offload_engine.spec.drafters import MAX_CHUNKS, DraftBudget, TargetState  # noqa: E402
-from offload_engine.spec.drafters.mtp import MtpDrafter  # noqa: E402
-from offload_engine.spec.sampling import SamplingParams  # noqa: E402
+from offload_engine.speculative.drafters import MAX_CHUNKS, DraftBudget, TargetState  # noqa: E402
+from offload_engine.speculative.drafters.mtp import MtpDrafter  # noqa: E402
+from offload_engine.generate.sampling import SamplingParams  # noqa: E402
 from offload_engine.store.resident import ResidentWeights  # noqa: E402
 from tools.make_checkpoint import make_checkpoint  # noqa: E402
 

@@ -23,9 +23,9 @@ from offload_engine.planner.sizes import param_counts
 from offload_engine.runtime.kv_cache import _StateHistory
 from offload_engine.runtime.model import CausalLM
 from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count
-from offload_engine.spec.drafters import DraftBudget, TargetState
-from offload_engine.spec.drafters.mtp import MtpDrafter
-from offload_engine.spec.sampling import SamplingParams
+from offload_engine.speculative.drafters import DraftBudget, TargetState
+from offload_engine.speculative.drafters.mtp import MtpDrafter
+from offload_engine.generate.sampling import SamplingParams
 from offload_engine.store.resident import ResidentWeights
 from tools.make_checkpoint import main as make_checkpoint_cli
 

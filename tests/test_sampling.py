@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_engine.errors import ConfigError
-from offload_engine.spec.sampling import Sampler, SamplingParams, probabilities
+from offload_engine.generate.sampling import Sampler, SamplingParams, probabilities
 
 V = 50
 

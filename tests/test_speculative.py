@@ -9,12 +9,12 @@ from tokenizers import models
 
 from offload_engine import Budget, Engine
 from offload_engine.errors import ConfigError
-from offload_engine.spec.cost import BENCH_FIRST, REALIZED_WINDOW, REPLAN_EVERY, CostModel, Plan
-from offload_engine.spec.decoder import FinishEvent, GenerationState, PlainStepper, drive
-from offload_engine.spec.drafters.draft_model import check_same_vocabulary
-from offload_engine.spec.drafters.self_draft import restrict
-from offload_engine.spec.sampling import Sampler, SamplingParams
-from offload_engine.spec.speculative import SpeculativeStepper, make_stepper
+from offload_engine.speculative.chooser import BENCH_FIRST, REALIZED_WINDOW, REPLAN_EVERY, CostModel, DraftChoice
+from offload_engine.generate.decoder import FinishEvent, GenerationState, PlainStepper, drive
+from offload_engine.speculative.drafters.draft_model import check_same_vocabulary
+from offload_engine.speculative.drafters.self_draft import restrict
+from offload_engine.generate.sampling import Sampler, SamplingParams
+from offload_engine.speculative.stepper import SpeculativeStepper, make_stepper
 from offload_engine.tokenizer import Tokenizer
 
 NEW = 64
@@ -187,7 +187,7 @@ def test_a_drafter_that_loses_in_seconds_is_benched_whatever_the_estimate_says()
             dense.observe_forward(T, 0.010)
     for _ in range(40):
         dense.observe_ranks("ngram", [0, 0, -1], [1, 1, 1])
-    plain, step = Plan(None), dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"})
+    plain, step = DraftChoice(None), dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"})
     assert step.drafter == "ngram"
     for _ in range(4):
         dense.observe_step(0.010, plain)

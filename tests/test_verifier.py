@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_engine.spec.sampling import SamplingParams, probabilities
-from offload_engine.spec.tree import DraftTree, chain_with_siblings, tree_inputs
-from offload_engine.spec.verifier import node_step, verify
+from offload_engine.generate.sampling import SamplingParams, probabilities
+from offload_engine.speculative.tree import DraftTree, chain_with_siblings, tree_inputs
+from offload_engine.speculative.verifier import node_step, verify
 
 V = 1000
 

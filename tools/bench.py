@@ -50,7 +50,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from offload_engine import Budget, Engine, PrefetchConfig  # noqa: E402
 from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_cpu_matmul_flops,  # noqa: E402
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
-from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 from offload_engine.store.policy import POLICIES  # noqa: E402
 
 MB = 1e6

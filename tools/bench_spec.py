@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_engine import Budget, Engine  # noqa: E402
-from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 
 PROMPTS = {
     # repetitive code: what n-gram lookup is for

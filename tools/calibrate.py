@@ -43,7 +43,7 @@ from offload_engine.errors import OffloadEngineError  # noqa: E402
 from offload_engine.planner import commands  # noqa: E402
 from offload_engine.planner.hardware import load_profile, probe, save_profile  # noqa: E402
 from offload_engine.probe import Meter  # noqa: E402
-from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 from tools.trace_experts import routing_trace  # noqa: E402
 
 

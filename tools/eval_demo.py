@@ -44,9 +44,9 @@ from offload_engine.errors import BudgetError  # noqa: E402
 from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
 from offload_engine.prefetch.predictor import FrequencyPrior, RouterLookahead  # noqa: E402
 from offload_engine.prefetch.prefetcher import PrefetchConfig, Prefetcher  # noqa: E402
-from offload_engine.spec.decoder import FinishEvent, GenerationState, drive  # noqa: E402
-from offload_engine.spec.sampling import Sampler, SamplingParams  # noqa: E402
-from offload_engine.spec.speculative import make_stepper  # noqa: E402
+from offload_engine.generate.decoder import FinishEvent, GenerationState, drive  # noqa: E402
+from offload_engine.generate.sampling import Sampler, SamplingParams  # noqa: E402
+from offload_engine.speculative.stepper import make_stepper  # noqa: E402
 
 EOT = "<|endoftext|>"
 FILES = 20  # held-out files sampled (evenly spaced in sorted order)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import offload_engine.runtime.model as model_module  # noqa: E402
 from offload_engine import Budget, Engine  # noqa: E402
-from offload_engine.spec.decoder import FinishEvent  # noqa: E402
+from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700, 800], [42] * 8,
            [9, 99, 999, 8000, 5, 55, 555, 5555])

@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..sampling import SamplingParams, probabilities
+from ...generate.sampling import SamplingParams, probabilities
 from ..tree import DraftTree
 
 

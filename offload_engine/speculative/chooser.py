@@ -112,7 +112,7 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
-class Plan:
+class DraftChoice:
     drafter: str | None  # None: a plain step
     depth: int = 0
     width: int = 1
@@ -232,7 +232,7 @@ class CostModel:
         slope = max(0.0, self._fwd[t].value - t1) / (t - 1)
         return self._fwd[t].value + slope * (T - t)
 
-    def observe_step(self, seconds: float, plan: "Plan", tokens: int = 1) -> None:
+    def observe_step(self, seconds: float, plan: "DraftChoice", tokens: int = 1) -> None:
         """One decode step's time and the tokens it emitted; a probe's excess over a plain step is charged to
         the exploration budget, a speculative step to its drafter's realized record."""
         self._step += 1
@@ -301,19 +301,19 @@ class CostModel:
 
     def plan(self, drafters: dict[str, float], max_depth: int, max_width: int, depth: int | None = None,
              width: int | None = None, shadow: set[str] = frozenset(), catch_up: dict[str, float] | None = None
-             ) -> Plan:
+             ) -> DraftChoice:
         """drafters: name -> prior seconds of drafting per depth. depth / width: user overrides. catch_up:
         name -> estimated seconds its next proposal spends catching up first (MTP after plain steps)."""
         if depth is not None and width is not None and len(drafters) == 1:
-            return Plan(next(iter(drafters)), depth, width)
+            return DraftChoice(next(iter(drafters)), depth, width)
         drafters = {n: p for n, p in drafters.items() if not self.benched(n)}
         plain = 1.0 / max(self.forward_time(1), 1e-9)
-        best, best_rate = Plan(None), plain * (1.0 + self.margin) if depth is None else -1.0
+        best, best_rate = DraftChoice(None), plain * (1.0 + self.margin) if depth is None else -1.0
         depths = [depth] if depth is not None else range(1, max_depth + 1)
         widths = [width] if width is not None else range(1, max_width + 1)
         top_depth, top_width = max(depths), max(widths)
         verify = {T: self.forward_time(T) for T in {1 + D * W for D in depths for W in widths}}
-        near: tuple[float, Plan] = (0.0, Plan(None))  # the best plan of a shadow-scored drafter
+        near: tuple[float, DraftChoice] = (0.0, DraftChoice(None))  # the best plan of a shadow-scored drafter
         top_rate = 0.0  # the best rate of any speculative plan
         for name, prior in drafters.items():
             table = self.acceptance(name).table(top_depth, top_width)
@@ -324,9 +324,9 @@ class CostModel:
                     rate = expected[D - 1] / max(D * per_depth + verify[1 + D * W], 1e-9)
                     top_rate = max(top_rate, rate)
                     if rate > best_rate:
-                        best, best_rate = Plan(name, D, W), rate
+                        best, best_rate = DraftChoice(name, D, W), rate
                     if name in shadow and rate > near[0]:
-                        near = (rate, Plan(name, D, W, probe=True))
+                        near = (rate, DraftChoice(name, D, W, probe=True))
         if best.drafter is not None or depth is not None:
             self._plain_since_probe = 0
             return best
@@ -344,7 +344,7 @@ class CostModel:
         if probe:
             self._plain_since_probe = 0
             name = min(probe, key=lambda n: self.acceptance(n).observations())
-            return Plan(name, 1, 1, probe=True)
+            return DraftChoice(name, 1, 1, probe=True)
         # a shadow-scored drafter that nearly wins is retried now and then: its acceptance is known, but the
         # verification times that rule it out may be a few slow measurements that no step would revisit
         if near[1].drafter is not None and near[0] > NEAR_MISS * best_rate and \

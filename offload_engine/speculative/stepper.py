@@ -19,10 +19,10 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ConfigError
-from .cost import CostModel, Plan, SpecStats
-from .decoder import PlainStepper
+from ..generate.decoder import PlainStepper
+from ..generate.sampling import Sampler
+from .chooser import CostModel, DraftChoice, SpecStats
 from .drafters import DraftBudget, Drafter, TargetState
-from .sampling import Sampler
 from .tree import DraftTree, tree_inputs
 from .verifier import verify
 
@@ -100,9 +100,9 @@ class SpeculativeStepper:
                 d.rewind(unused)
 
     # ---- steps -----------------------------------------------------------------------------------------
-    def _plan(self) -> Plan:
+    def _plan(self) -> DraftChoice:
         if self.cost.keep_plain():
-            return Plan(None)
+            return DraftChoice(None)
         priors = {name: self._draft_prior(name) for name in self.drafters}
         shadow = {n for n, d in self.drafters.items() if getattr(d, "free", False)}
         # a drafter with layers of its own to catch up (MTP after plain steps) first runs them over the positions
@@ -117,7 +117,7 @@ class SpeculativeStepper:
         share = {"ngram": 0.0, "mtp": 0.1, "draft": 0.3, "self": 1.0}.get(name, 0.5)
         return share * self.cost.forward_time(1)
 
-    def _propose(self, plan: Plan, room: int) -> tuple[DraftTree, Drafter, int]:
+    def _propose(self, plan: DraftChoice, room: int) -> tuple[DraftTree, Drafter, int]:
         drafter = self.drafters[plan.drafter]
         depth = min(plan.depth, room)
         budget = DraftBudget(depth, plan.width, max_nodes=room)
@@ -142,7 +142,7 @@ class SpeculativeStepper:
         self._shadow_score(token)
         return [token]
 
-    def _verify(self, tree: DraftTree, drafter: Drafter, plan: Plan) -> list[int]:
+    def _verify(self, tree: DraftTree, drafter: Drafter, plan: DraftChoice) -> list[int]:
         L = self.cache.length
         tokens, positions, mask = tree_inputs(tree, self.context[-1], L, device=self._device or "cpu")
         if self.store is not None and tree.expert_hints:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, probabilities
+from ..generate.sampling import SamplingParams, probabilities
 from .tree import DraftTree
 
 _TINY = 1e-30

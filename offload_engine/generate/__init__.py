@@ -1,0 +1,1 @@
+"""Plain decoding: sampling (sampling.py) and the generator loop that turns steps into events (decoder.py)."""

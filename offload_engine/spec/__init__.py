@@ -1,1 +1,0 @@
-"""Sampling, drafting, verification and the decode loop (see decoder.py's glossary)."""
