@@ -97,6 +97,11 @@ class SafeInterrupts:
             signal.signal(signal.SIGINT, self._on_sigint)
             _ACTIVE.append(self)
 
+    @property
+    def pending(self) -> int:
+        """Ctrl-Cs deferred and not raised yet."""
+        return self._presses
+
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         profile = sys.getprofile()
         if (not in_lock_handling(frame, self._outer) or self._presses + 1 >= INSISTENT_PRESSES

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -59,7 +59,8 @@ class Throughput:
 
 
 # ---- disk ---------------------------------------------------------------------------------------------------
-def _open_direct(path: Path) -> int | None:
+def open_direct(path: Path) -> int | None:
+    """An O_DIRECT descriptor of `path`, or None where the system or filesystem refuses one."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
@@ -115,12 +116,13 @@ def _timed_parallel_read(fd: int, nbytes: int, block: int, threads: int) -> tupl
 
 
 def measure_direct_read_bandwidth(path: str | os.PathLike, nbytes: int = 1 << 30, block: int = 8 * MiB,
-                                  threads: int = 1, repeats: int = 1) -> Bandwidth:
+                                  threads: int = 1, repeats: int = 1,
+                                  opener: Callable[[Path], int | None] = open_direct) -> Bandwidth:
     """Sequential read of the first `nbytes` of `path` (capped at its size) bypassing the page cache.
 
     O_DIRECT into page-aligned buffers where the filesystem allows it; otherwise buffered reads after
     POSIX_FADV_DONTNEED on the whole file (so the pages are not already cached), and again afterwards so the
-    measurement leaves nothing behind. The method used is in the result. With repeats > 1 the median run is
+    measurement leaves nothing behind (`opener` returning None takes that path). The method used is in the result. With repeats > 1 the median run is
     returned: virtual disks vary a lot from one pass to the next, and the median is what reads can sustain."""
     path = Path(path)
     if block % ALIGN:
@@ -131,7 +133,7 @@ def measure_direct_read_bandwidth(path: str | os.PathLike, nbytes: int = 1 << 30
     runs: list[tuple[int, float]] = []
     method = "O_DIRECT"
     for _ in range(max(1, repeats)):
-        fd = _open_direct(path)
+        fd = opener(path)
         try:
             if fd is not None:
                 try:

@@ -61,15 +61,14 @@ def test_engine_and_peer_tokens_match(result):
         assert all(row["tokens_match"].values())
 
 
-def test_probe_reads_the_file_and_says_how(tmp_path, monkeypatch):
+def test_probe_reads_the_file_and_says_how(tmp_path):
     from offload_engine import probe
 
     path = tmp_path / "data.bin"
     path.write_bytes(b"\x01" * (3 * 4096 + 100))  # unaligned tail: O_DIRECT over-reads, the count must not
     direct = probe.measure_direct_read_bandwidth(path, block=8192, threads=2)
     assert direct.nbytes == path.stat().st_size and direct.bytes_per_s > 0
-    monkeypatch.setattr(probe, "_open_direct", lambda p: None)  # a filesystem that refuses O_DIRECT
-    buffered = probe.measure_direct_read_bandwidth(path, block=8192)
+    buffered = probe.measure_direct_read_bandwidth(path, block=8192, opener=lambda p: None)  # O_DIRECT refused
     assert buffered.method == "buffered + POSIX_FADV_DONTNEED" and buffered.nbytes == direct.nbytes
     assert probe.measure_cpu_matmul_flops(n=64, repeats=1).flops_per_s > 0
     assert probe.measure_memcpy_bandwidth(nbytes=1 << 20, repeats=1).bytes_per_s > 0

@@ -126,7 +126,7 @@ def deferred(guard: SafeInterrupts) -> bool:
     interrupter = Interrupter(0.02)
     interrupter.wait()
     interrupter.thread.join()
-    return guard._presses > 0 and sys.getprofile() is not None
+    return guard.pending > 0 and sys.getprofile() is not None
 
 
 @main_only
@@ -190,7 +190,7 @@ def test_the_third_press_raises_at_once(default_handling):
     try:
         with pytest.raises(KeyboardInterrupt):
             Interrupter(0.05, presses=3).wait()  # all three land in the wait, inside threading's code
-        assert guard._presses == 0 and sys.getprofile() is None
+        assert guard.pending == 0 and sys.getprofile() is None
     finally:
         guard.restore()
 

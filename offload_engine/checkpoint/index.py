@@ -402,12 +402,5 @@ class CheckpointIndex:
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.tensors.values())
 
-    def dominant_float_dtype(self) -> str | None:
-        by_bytes: dict[str, int] = {}
-        for r in self.tensors.values():
-            if r.dtype in FLOAT_DTYPES:
-                by_bytes[r.dtype] = by_bytes.get(r.dtype, 0) + r.nbytes
-        return max(by_bytes, key=by_bytes.get) if by_bytes else None
-
     def names(self) -> Iterable[str]:
         return self.tensors.keys()

@@ -286,9 +286,6 @@ class CostModel:
             for r in range(w if k < 0 else k + 1):
                 acc.add(d, r, r == k)
 
-    def expected_tokens(self, name: str, depth: int, width: int) -> float:
-        return _expected(self.acceptance(name).table(depth, width), width)[depth - 1]
-
     # ---- the decision ----------------------------------------------------------------------------------
     def keep_plain(self) -> bool:
         """True while the last verdict, a plain step that every plan lost to by a clear margin, stands: the

@@ -134,8 +134,3 @@ def chain_with_siblings(candidates: list[list[int]], q_rows: list[torch.Tensor] 
             tree.add(tok, parent, q, sampled=False)
         parent = main
     return tree.finalize()
-
-
-def tree_size(depth: int, width: int) -> int:
-    """Nodes of a chain of `depth` with `width - 1` siblings beside every chain node."""
-    return depth * max(width, 1)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 from ...errors import CheckpointError
 
@@ -14,6 +16,11 @@ _MODULES = {
     "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",  # transformers' text-only Qwen3_5MoeForCausalLM saves this model_type
 }
+
+
+def architecture_modules() -> Mapping[str, str]:
+    """The registry: model_type -> module name under offload_engine.runtime.arch (read-only)."""
+    return MappingProxyType(_MODULES)
 
 
 def supported_model_types() -> list[str]:

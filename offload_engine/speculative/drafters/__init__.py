@@ -29,6 +29,11 @@ class DraftBudget:
     width: int = 1  # candidates per depth (1 = a chain)
     max_nodes: int | None = None  # hard cap (cache room); None = depth * width
 
+    @property
+    def node_cap(self) -> int:
+        """Most nodes a drafter may propose: the cache room's cap, else a full depth x width tree."""
+        return self.max_nodes if self.max_nodes is not None else self.depth * self.width
+
 
 MAX_CHUNKS = 64
 

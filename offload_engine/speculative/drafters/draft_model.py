@@ -55,7 +55,7 @@ class DraftModelDrafter:
             same += 1
         self.cache.trim(len(self.ids) - same)
         del self.ids[same:]
-        cap = budget.max_nodes if budget.max_nodes is not None else budget.depth * budget.width
+        cap = budget.node_cap
         room = self.cache.capacity - len(context)  # positions for drafted tokens after the context
         depth = max(0, min(budget.depth, room + 1))
         logits = self._forward([int(t) for t in context[same:]])

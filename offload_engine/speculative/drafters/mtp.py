@@ -72,7 +72,7 @@ class MtpDrafter:
         self._sync(context, state, n)
         if self.logits is None or self.end[0] != n:
             return DraftTree()
-        cap = budget.max_nodes if budget.max_nodes is not None else budget.depth * budget.width
+        cap = budget.node_cap
         cands, q_rows, sampled = [], [], False
         logits, prev = self.logits, self.last[0]  # prev: the depth in use's outputs at positions n ..
         for j in range(1, budget.depth + 1):

@@ -30,7 +30,7 @@ class NgramDrafter:
 
     def propose(self, context: Sequence[int], state: TargetState, budget: DraftBudget) -> DraftTree:
         self._sync(context)
-        cap = budget.max_nodes if budget.max_nodes is not None else budget.depth * budget.width
+        cap = budget.node_cap
         conts = self._continuations(budget.depth, budget.width)
         tree = DraftTree()
         trie: dict[tuple[int, int], int] = {}  # (parent, token) -> node

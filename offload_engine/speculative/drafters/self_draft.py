@@ -83,7 +83,7 @@ class SelfDrafter:
         resident = self.resident() if self.resident is not None else None
         self.routing.allowed = None if resident is None else _by_layer(resident)
         self.routing.wanted = {}
-        cap = budget.max_nodes if budget.max_nodes is not None else budget.depth * budget.width
+        cap = budget.node_cap
         L = self.cache.length
         depth = min(budget.depth, getattr(self.cache, "capacity", L + budget.depth) - L)
         cands, q_rows, sampled, token = [], [], False, int(context[-1])
