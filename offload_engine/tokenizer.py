@@ -1,7 +1,10 @@
-"""Tokenizer: a `tokenizers` tokenizer.json plus the bits of the HF config files that generation needs.
+"""Tokenizer: a `tokenizers` tokenizer.json (or a tiktoken.model) plus the bits of the HF config files that
+generation needs.
 
 Reads, from a checkpoint folder:
-  tokenizer.json           required; the vocabulary, merges, pre-tokenizer, decoder
+  tokenizer.json           the vocabulary, merges, pre-tokenizer, decoder; or, when absent,
+  tiktoken.model           a tiktoken BPE as Kimi checkpoints ship it (tokenizer_tiktoken.py; its special tokens
+                           come from tokenizer_config.json's added_tokens_decoder)
   tokenizer_config.json    optional; bos/eos token strings, chat_template, add_bos_token/add_eos_token (used
                            only when tokenizer.json has no post-processor, which otherwise decides)
   chat_template.jinja      optional; newer checkpoints keep the template here (takes precedence)
@@ -26,6 +29,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
 from .errors import CheckpointError, ConfigError
+from .tokenizer_tiktoken import TIKTOKEN_FILE, TiktokenBackend, has_tiktoken
+
+TOKENIZER_FILES = ("tokenizer.json", TIKTOKEN_FILE)  # what `Tokenizer.load_optional` looks for, in this order
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 
@@ -136,18 +142,23 @@ class Tokenizer:
         self._setup(**_load_folder(Path(folder)))
 
     @classmethod
-    def from_dir(cls, folder: str | Path) -> "Tokenizer":
+    def load_optional(cls, folder: str | Path) -> "Tokenizer | None":
+        """The folder's tokenizer, or None when it has no tokenizer file (TOKENIZER_FILES): a checkpoint
+        without one still runs from token ids."""
+        folder = Path(folder)
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return None
         return cls(folder)
 
     @classmethod
-    def from_backend(cls, backend: _HFTokenizer, **fields: Any) -> "Tokenizer":
+    def from_backend(cls, backend: _HFTokenizer | TiktokenBackend, **fields: Any) -> "Tokenizer":
         """Wrap an in-memory `tokenizers.Tokenizer` (fields as in `_setup`)."""
         obj = cls.__new__(cls)
         obj._setup(backend, **fields)
         return obj
 
-    def _setup(self, backend: _HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
-               eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None,
+    def _setup(self, backend: _HFTokenizer | TiktokenBackend, *, bos_token: str | None = None,
+               eos_token: str | None = None, eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None,
                chat_template: str | None = None, source: str = "<memory>") -> None:
         self.backend = backend
         self.source = source
@@ -197,12 +208,13 @@ class Tokenizer:
 def _load_folder(folder: Path) -> dict[str, Any]:
     """Everything `Tokenizer._setup` needs, read from the checkpoint folder's files."""
     tok_path = folder / "tokenizer.json"
-    if not tok_path.is_file():
-        raise CheckpointError(tok_path, "tokenizer.json not found",
+    if not tok_path.is_file() and not has_tiktoken(folder):
+        raise CheckpointError(tok_path, f"tokenizer.json not found (nor {TIKTOKEN_FILE})",
                               hint="the engine needs a fast tokenizer (tokenizer.json); convert a "
                                    "sentencepiece-only checkpoint with transformers' AutoTokenizer.save_pretrained")
-    backend = _load_backend(tok_path)
     tok_config = _read_json(folder / "tokenizer_config.json") or {}
+    backend: _HFTokenizer | TiktokenBackend = (
+        _load_backend(tok_path) if tok_path.is_file() else TiktokenBackend.from_folder(folder, tok_config))
     gen_config = _read_json(folder / "generation_config.json") or {}
     model_config = _read_json(folder / "config.json") or {}
 
@@ -216,7 +228,8 @@ def _load_folder(folder: Path) -> dict[str, Any]:
     eos_ids = set(_ids(gen_config.get("eos_token_id"))) | set(_model_config_ids(model_config, "eos_token_id"))
     if eos is not None and backend.token_to_id(eos) is not None:
         eos_ids.add(backend.token_to_id(eos))
-    if backend.post_processor is None and (tok_config.get("add_bos_token") or tok_config.get("add_eos_token")):
+    if isinstance(backend, _HFTokenizer) and backend.post_processor is None and (
+            tok_config.get("add_bos_token") or tok_config.get("add_eos_token")):
         # tokenizer.json's post-processor is authoritative (transformers 5 drops these flags when it has
         # one); without one, honour the flags as transformers' update_post_processor would
         _set_post_processor(backend, bos if tok_config.get("add_bos_token") else None,

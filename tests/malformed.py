@@ -290,6 +290,16 @@ def outside_copy(shard: str) -> Callable[[Path], Path]:
     return make
 
 
+def outside_special(make: Callable[[Path], None]) -> Callable[[Path], Path]:
+    """A FIFO / folder (made by `make(path)`) next to (outside) the model folder; returns its path."""
+    def mk(d: Path) -> Path:
+        out = d.parent / f"outside-{d.name}"
+        out.mkdir(exist_ok=True)
+        make(out / "special")
+        return out / "special"
+    return mk
+
+
 def evil_pickle_bytes(sentinel: Path) -> bytes:
     """A torch.save file whose unpickling (torch.load(weights_only=False) / pickle) creates `sentinel`."""
     import io
@@ -503,14 +513,30 @@ def _variants() -> list[Variant]:
                 rel = f"../outside-{d.name}/{SHARD2}"
             edit_index(lambda i: i["weight_map"].update({"lm_head.weight": rel}))(d)
         v.append(V(f"f15_weight_map_{tag}", "F15", mutate, "lm_head.weight", expect_file=INDEX, expect_text=text))
-    v.append(V("f15_shard_symlink_to_outside", "F15", symlink(SHARD2, outside_copy(SHARD2)), FIRST_IN_S2,
-               expect_file=INDEX, expect_text=(r"escapes model directory",)))
-    v.append(V("f15_single_file_symlink_to_outside", "F15",
+    # F15: a shard that is a symlink is followed wherever it points, to a regular file only
+    v.append(V("ok_f15_shard_symlink_to_outside", "F15", symlink(SHARD2, outside_copy(SHARD2)), None, ok=True))
+    v.append(V("ok_f15_single_file_symlink_to_outside", "F15",
                chain(outside_copy(SHARD1), remove(SHARD1, SHARD2, INDEX),
                      symlink("model.safetensors", lambda d: d.parent / f"outside-{d.name}" / SHARD1)),
-               None, expect_file="model.safetensors", expect_text=(r"escapes model directory",)))
-    v.append(V("f15_symlink_to_etc_passwd", "F15", symlink(SHARD2, lambda d: Path("/etc/passwd")), FIRST_IN_S2,
-               expect_file=INDEX, expect_text=(r"escapes model directory",)))
+               None, ok=True))
+    v.append(V("f15_symlink_to_etc_passwd", "F15", symlink(SHARD2, lambda d: Path("/etc/passwd")), None,
+               expect_file=SHARD2))  # followed: a regular file, refused as not safetensors
+    v.append(V("f15_symlink_to_dev_zero", "F15", symlink(SHARD2, lambda d: Path("/dev/zero")), FIRST_IN_S2,
+               expect_file=INDEX, expect_text=(re.escape(SHARD2), r"/dev/zero", r"character device",
+                                               r"not a regular file")))
+    v.append(V("f15_symlink_to_outside_fifo", "F15", symlink(SHARD2, outside_special(os.mkfifo)), FIRST_IN_S2,
+               expect_file=INDEX, expect_text=(re.escape(SHARD2), r"FIFO", r"not a regular file")))
+    v.append(V("f15_symlink_to_outside_directory", "F15", symlink(SHARD2, outside_special(os.mkdir)), FIRST_IN_S2,
+               expect_file=INDEX, expect_text=(re.escape(SHARD2), r"directory", r"not a regular file")))
+    v.append(V("f15_dangling_symlink", "F15", symlink(SHARD2, lambda d: d.parent / f"gone-{d.name}"), FIRST_IN_S2,
+               expect_file=INDEX, expect_text=(r"missing shard", re.escape(SHARD2))))
+    v.append(V("f15_single_file_symlink_to_dev_zero", "F15",
+               chain(remove(SHARD1, SHARD2, INDEX), symlink("model.safetensors", lambda d: Path("/dev/zero"))),
+               None, expect_file="model.safetensors", expect_text=(r"not a regular file",)))
+    v.append(V("f15_weight_map_dotdot_staying_inside", "F15",
+               chain(lambda d: (d / "sub").mkdir(),
+                     edit_index(lambda i: i["weight_map"].update({"lm_head.weight": f"sub/../{SHARD2}"}))),
+               "lm_head.weight", expect_file=INDEX, expect_text=(r"escapes model directory", r"'\.\.'")))
     # F16 (folder level; architecture-level checks are in test_config_validation.py)
     v.append(V("f16_config_missing", "F16", remove(CONFIG), None, expect_file=CONFIG, expect_text=(r"not found",)))
     v.append(V("f16_config_invalid_json", "F16", lambda d: (d / CONFIG).write_text('{"model_type": "llama",'),

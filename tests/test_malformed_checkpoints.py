@@ -229,8 +229,21 @@ def test_unreadable_data_section_still_lists_everything(tmp_path, valid_dir):
     assert index.tensors["big.b"].offset == 8 + len(m.header_bytes(shard)) + 4 * elems
 
 
+def _assert_reads_like(index: CheckpointIndex, valid_dir: Path) -> None:
+    """Every tensor of `index` has the bytes the valid fixture's shards hold for it."""
+    assert set(index.tensors) == set(m.tensor_shapes())
+    for shard in (m.SHARD1, m.SHARD2):
+        with safe_open(str(valid_dir / shard), framework="pt") as f:
+            for name in f.keys():
+                rec = index.tensors[name]
+                expect = f.get_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
+                with open(rec.file, "rb") as g:  # through the symlink, as the store opens it
+                    g.seek(rec.offset)
+                    assert g.read(rec.nbytes) == expect, name
+
+
 def test_hugging_face_cache_snapshot_symlinks_to_blobs_are_allowed(tmp_path, valid_dir):
-    """hub cache layout: <repo>/snapshots/<rev>/<file> -> ../../blobs/<sha>. Blobs of the same repo are inside."""
+    """hub cache layout: <repo>/snapshots/<rev>/<file> -> ../../blobs/<sha>."""
     repo = tmp_path / "models--org--tiny"
     snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
     snap.mkdir(parents=True)
@@ -238,15 +251,42 @@ def test_hugging_face_cache_snapshot_symlinks_to_blobs_are_allowed(tmp_path, val
     for f in os.listdir(valid_dir):
         (blobs / f"sha-{f}").write_bytes((valid_dir / f).read_bytes())
         os.symlink(f"../../blobs/sha-{f}", snap / f)
-    index = CheckpointIndex.open(snap)
-    assert set(index.tensors) == set(m.tensor_shapes())
-    # ... but not anything else outside the snapshot, even within the repo
+    _assert_reads_like(CheckpointIndex.open(snap), valid_dir)
+    # a symlink to a regular file anywhere else is followed too (RELIABILITY.md F15: files spread over disks)
     (repo / "refs").mkdir()
     os.replace(blobs / f"sha-{m.SHARD1}", repo / "refs" / "moved")
     os.unlink(snap / m.SHARD1)
     os.symlink("../../refs/moved", snap / m.SHARD1)
-    with pytest.raises(CheckpointError, match="escapes model directory"):
-        CheckpointIndex.open(snap)
+    _assert_reads_like(CheckpointIndex.open(snap), valid_dir)
+
+
+def test_symlinked_shards_outside_the_folder_are_read_correctly(tmp_path, valid_dir):
+    """A `--local-dir` download: the folder holds symlinks (absolute and relative) to shards kept elsewhere."""
+    elsewhere, model = tmp_path / "disk2" / "blobs", tmp_path / "model"
+    elsewhere.mkdir(parents=True)
+    model.mkdir()
+    for f in os.listdir(valid_dir):
+        (elsewhere / f).write_bytes((valid_dir / f).read_bytes())
+    os.symlink(elsewhere / m.SHARD1, model / m.SHARD1)
+    os.symlink(f"../disk2/blobs/{m.SHARD2}", model / m.SHARD2)
+    for f in (m.CONFIG, m.INDEX):
+        os.symlink(elsewhere / f, model / f)
+    index = CheckpointIndex.open(model)
+    assert {r.file for r in index.tensors.values()} == {model / m.SHARD1, model / m.SHARD2}
+    _assert_reads_like(index, valid_dir)
+
+
+@pytest.mark.parametrize("rel, why", [("../model/" + m.SHARD1, "'..' component"), ("sub/../" + m.SHARD1, "'..' component"),
+                                      ("/etc/passwd", "absolute path")])
+def test_index_names_with_dotdot_or_absolute_are_refused_even_when_they_would_resolve(tmp_path, valid_dir, rel, why):
+    """The rule is on the name, not where it lands: `..` and absolute names are refused by name."""
+    model = m.materialize(m.Variant("x", "F15", m.edit_index(lambda i: i["weight_map"].update({m.T1: rel})), m.T1),
+                          valid_dir, tmp_path / "model")
+    (model / "sub").mkdir()
+    with pytest.raises(CheckpointError, match="escapes model directory") as e:
+        CheckpointIndex.open(model)
+    msg = str(e.value)
+    assert m.INDEX in msg and why in msg and m.T1 in msg and repr(rel) in msg, msg
 
 
 def test_mixed_folder_never_unpickles(tmp_path, valid_dir, monkeypatch):

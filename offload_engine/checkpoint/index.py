@@ -12,7 +12,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -256,21 +256,10 @@ def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int
                                           f"last tensor", offset=pos)
 
 
-def _allowed_roots(root: Path) -> list[Path]:
-    """Where shard files may really live: the model folder, and for a Hugging Face hub cache snapshot
-    (<repo>/snapshots/<rev>/, whose files are symlinks to ../../blobs/<sha>) that repo's blobs folder."""
-    real_root = root.resolve()
-    roots = [real_root]
-    blobs = real_root.parent.parent / "blobs"
-    if real_root.parent.name == "snapshots" and blobs.is_dir():
-        roots.append(blobs)
-    return roots
-
-
-def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None,
-            roots: list[Path] | None = None) -> tuple[Path, Path]:
-    """`root / rel` and its real path, refusing names that are not plain relative paths or that resolve
-    (through `..` or symlinks) outside the model folder (or `roots`, from _allowed_roots)."""
+def _shard_path(root: Path, rel: Any, where: Path, tensor: str | None = None) -> tuple[Path, Path]:
+    """`root / rel` and its real path. The name must be a plain relative path: not absolute, no `..`
+    component, no NUL. Symlinks are followed wherever they point (a `--local-dir` download into the hub cache,
+    shards spread over disks); the caller insists the target is a regular file."""
     try:
         ok = isinstance(rel, str) and rel != "" and "\x00" not in rel and bool(os.fsencode(rel))
     except UnicodeError:  # e.g. a lone surrogate from a JSON \ud800 escape: no file can have that name
@@ -279,15 +268,23 @@ def _inside(root: Path, rel: Any, where: Path, tensor: str | None = None,
         raise CheckpointFormatError(where, f"shard path {_short(rel)} is not a valid relative file name", tensor=tensor)
     if os.path.isabs(rel):
         raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory (absolute path)", tensor=tensor)
+    if ".." in PurePosixPath(rel).parts:
+        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory ('..' component)",
+                                    tensor=tensor, hint="index names are file names inside the model folder")
     candidate = root / rel
     try:
         real = candidate.resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
         raise CheckpointFormatError(where, f"cannot resolve shard path {rel!r}: {e}", tensor=tensor) from None
-    if not any(real == r or r in real.parents for r in (roots or _allowed_roots(root))):
-        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory {root} (resolves to {real})",
-                                    tensor=tensor)
     return candidate, real
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 JSON_CAP = 100 * 1024 * 1024  # config / index files; real ones are a few MB at most
@@ -309,17 +306,24 @@ def load_json(path: Path, what: str) -> dict:
     return data
 
 
-def _index_shard(root: Path, rel: Any, index_path: Path, tensor: str, roots: list[Path],
-                 by_real: dict[Path, Path]) -> Path:
-    """The shard file an index entry names: inside the model folder, present, a regular file."""
-    shard, real = _inside(root, rel, index_path, tensor=tensor, roots=roots)
+def _index_shard(root: Path, rel: Any, index_path: Path, tensor: str, by_real: dict[Path, Path]) -> Path:
+    """The shard file an index entry names: a plain relative name, present, and (through any symlinks) a
+    regular file."""
+    shard, real = _shard_path(root, rel, index_path, tensor=tensor)
     shard = by_real.setdefault(real, shard)
-    if not shard.exists():
-        raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'", tensor=tensor,
-                                    hint="re-download the checkpoint")
-    if not shard.is_file():
-        raise CheckpointFormatError(index_path, f"index names shard '{rel}', which is not a regular file",
-                                    tensor=tensor)
+    try:
+        mode = shard.stat().st_mode  # follows symlinks
+    except FileNotFoundError:
+        raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'"
+                                                + (f" (a symlink to {real}, which does not exist)"
+                                                   if shard.is_symlink() else ""),
+                                    tensor=tensor, hint="re-download the checkpoint") from None
+    except OSError as e:
+        raise CheckpointFormatError(index_path, f"cannot stat shard '{rel}': {e.strerror}", tensor=tensor) from None
+    if not stat.S_ISREG(mode):
+        via = f" (a symlink to {real})" if shard.is_symlink() else ""
+        raise CheckpointFormatError(index_path, f"index names shard '{rel}'{via}, which is {_file_kind(mode)}, "
+                                                f"not a regular file", tensor=tensor)
     return shard
 
 
@@ -370,23 +374,22 @@ class CheckpointIndex:
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointFormatError(index_path, "'weight_map' must be a non-empty object of tensor -> shard file")
-            roots = _allowed_roots(root)
             weight_map: dict[str, Path] = {}
             by_rel: dict[str, Path] = {}  # ~10^5 entries name ~10^2 files: check each file name once
-            by_real: dict[Path, Path] = {}  # "x" and "sub/../x" name one shard: read it once
+            by_real: dict[Path, Path] = {}  # "x", "./x" or two symlinks to one file: read it once
             for name, rel in wm.items():
                 shard = by_rel.get(rel) if isinstance(rel, str) else None
                 if shard is None:
-                    shard = by_rel[rel] = _index_shard(root, rel, index_path, name, roots, by_real)
+                    shard = by_rel[rel] = _index_shard(root, rel, index_path, name, by_real)
                 weight_map[name] = shard
             return sorted(set(weight_map.values())), weight_map, index_path
         single = root / "model.safetensors"
         if single.exists() or single.is_symlink():
-            _inside(root, single.name, single)
+            _shard_path(root, single.name, single)  # a symlink loop is named here
             return [single], None, None
         others = sorted(root.glob("*.safetensors"))
         if len(others) == 1:  # read_shard_header refuses it if it is not a regular file
-            _inside(root, others[0].name, others[0])
+            _shard_path(root, others[0].name, others[0])
             return others, None, None
         if others:
             raise CheckpointError(root, f"{len(others)} .safetensors files but no model.safetensors.index.json",
