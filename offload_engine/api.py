@@ -39,7 +39,7 @@ from .generate.sampling import Sampler, SamplingParams
 from .speculative.stepper import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
 from .store.build import build_store, plan_for
 from .store.policy import POLICIES
-from .store.store import ReadFn, TieredStore
+from .store.store import CopyFn, ReadFn, TieredStore
 from .tokenizer import Tokenizer
 
 
@@ -84,7 +84,7 @@ class Engine:
              stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
              spec_width: int | None = None, draft_model: str | os.PathLike | None = None,
              draft_budget: Budget | None = None, host_compute: str = "off",
-             prefill_chunk: int = PREFILL_CHUNK) -> "Engine":
+             prefill_chunk: int = PREFILL_CHUNK, copy_fn: CopyFn | None = None) -> "Engine":
         """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
         weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
         the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
@@ -136,7 +136,8 @@ class Engine:
         rates = (measure_machine(dev, compute_dtype)
                  if host_compute == "auto" and dev.type == "cuda" and placement.host_caches("expert") else None)
         store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn,
-                            stall_timeout=stall_timeout)
+                            stall_timeout=stall_timeout, copy_fn=copy_fn,  # copy_fn: fault tests' host -> device copy
+                            prefetch_slots=getattr(prefetch, "slots", PrefetchConfig.slots))
         draft = None
         try:
             model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM,

@@ -29,6 +29,7 @@ from offload_engine.store.build import plan_for
 from offload_engine.store.ledger import Ledger
 from offload_engine.store import tier as tier_mod
 from offload_engine.store.tier import Tier
+from offload_engine.store.unit_io import copy_bytes
 from tests.figures import Figures
 
 CASES = int(os.environ.get("OFFLOAD_ENGINE_BUDGET_CASES", 1000))
@@ -63,19 +64,11 @@ def allocate(placement) -> Ledger:
     for plan in placement.tiers:
         tier = Tier(plan.name, CPU, set(plan.pinned))
         tiers.append(tier)
-        if plan.staging_bytes:
-            ledger.charge(tier.name, plan.staging_bytes, "staging")
-        if plan.kv_bytes:
-            ledger.charge(tier.name, plan.kv_bytes, "kv cache")
-        for kind, n in plan.slots.items():
-            tier.allocate(kind, n, placement.sizes[kind].slot_bytes, ledger, pin_memory=False)
+        tier.provision(plan, placement.sizes, ledger, pin_memory=False)
         real = sum(s.blob.numel() * s.blob.element_size() for pool in tier.pools.values() for s in pool)
         assert real + plan.staging_bytes + plan.kv_bytes == ledger.accounts[tier.name].charged  # counts real bytes
     for plan, tier in zip(placement.tiers, tiers):  # as TieredStore.close gives it back
-        tier.free_all(ledger)
-        for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes)):
-            if n:
-                ledger.credit(tier.name, n, what)
+        tier.unprovision(plan, ledger)
     return ledger
 
 
@@ -179,9 +172,9 @@ class FakeAllocator:
 
 def snapshot(engine: Engine) -> dict:
     store = engine.store
-    slots = [s for t in store.tiers for pool in t.pools.values() for s in pool]
+    slots = store.slot_states()
     return {"charged": store.ledger.charged(), "refs": sum(s.refs for s in slots),
-            "loading": sum(1 for s in slots if s.loading is not None and not s.loading.done())}
+            "loading": sum(1 for s in slots if s.reading)}
 
 
 def wait_idle(engine: Engine) -> dict:
@@ -216,7 +209,6 @@ def test_allocation_failure_mid_generation_fails_that_request_only(checkpoint_fa
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     with Engine.open(path, max_context=64) as ref_engine:
         ref = ref_engine.generate(prompt, max_new_tokens=4, ignore_eos=True).token_ids
-    engine = Engine.open(path, budget=Budget(vram="8%", ram="30%"), max_context=64, direct_io="off")
     calls = {"n": 0, "fail_at": None}
 
     def failing(inner):  # from the k-th call on, until the request has failed (memory stays short meanwhile)
@@ -227,10 +219,12 @@ def test_allocation_failure_mid_generation_fails_that_request_only(checkpoint_fa
             return inner(*args, **kwargs)
         return wrapped
 
+    # the host-to-device copy fails through the store's injectable I/O (UnitIO's copy_fn)
+    copy_fn = failing(copy_bytes) if where == "host-to-device-copy" else None
+    engine = Engine.open(path, budget=Budget(vram="8%", ram="30%"), max_context=64, direct_io="off",
+                         copy_fn=copy_fn)
     if where == "expert-compute":
         engine.model.ops.expert = failing(engine.model.ops.expert)
-    elif where == "host-to-device-copy":
-        engine.store._copy = failing(engine.store._copy)
     injected = 0
     try:
         before = wait_idle(engine)

@@ -150,9 +150,7 @@ def settle_reads(engine: Engine, timeout: float = 3.0) -> None:
     store = engine.store
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with store._lock:
-            busy = [s for t in store.tiers for pool in t.pools.values() for s in pool
-                    if s.loading is not None and not s.loading.done()]
+        busy = [s for s in store.slot_states() if s.reading]
         if not busy:
             return
         time.sleep(0.01)
@@ -277,7 +275,7 @@ def test_random_read_faults_during_generation(checkpoint_factory, faulty_os, con
 def test_failed_requests_do_not_leak_cache_slots(checkpoint_factory, faulty_os):
     """Rule 7: a fault fails that request only. When a request fails, its other reads still land; their slots
     must become evictable again, or every failed request shrinks the cache until no request can run
-    ("every slot is held by units not yet released"): the store settles such slots (TieredStore._settle)."""
+    ("every slot is held by units not yet released"): the store settles such slots (Evictor.settle)."""
     path, ref = references(checkpoint_factory, "qwen3_moe")
     rng = random.Random(99)
     with Engine.open(path, budget=Budget(ram="10%"), max_context=CONTEXT, direct_io="off", prefetch=False) as engine:

@@ -102,8 +102,8 @@ def test_close_leaves_no_thread_and_no_descriptor(model, direct_io, ram):
     with Engine.open(path, budget=Budget(ram=ram), max_context=CONTEXT, direct_io=direct_io) as engine:
         assert engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids == ref["tokens"]
         pool = engine.store.pool
-        assert all(t.is_alive() for t in pool._threads)
-    assert not [t.name for t in pool._threads if t.is_alive()] and not pool.unjoined
+        assert len(pool.threads_alive()) == pool.threads
+    assert not pool.threads_alive() and not pool.unjoined
     now_threads, now_fds = settle(threads, fds)
     assert now_threads <= threads and now_fds <= fds, (now_threads, threads, now_fds, fds)
 
@@ -213,9 +213,8 @@ def assert_idle(engine: Engine) -> None:
     store = engine.store
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
-        with store._lock:
-            slots = [s for t in store.tiers for pool in t.pools.values() for s in pool]
-            loading = [s for s in slots if s.loading is not None and not s.loading.done()]
+        slots = store.slot_states()
+        loading = [s for s in slots if s.reading]
         if not loading:
             break
         time.sleep(0.02)

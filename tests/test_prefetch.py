@@ -239,16 +239,26 @@ def test_store_prefetch_spares_unused_prefetches_and_acquire_reads_before_it_yie
 def test_wrong_guesses_evict_at_most_the_quota_and_are_the_first_victims(checkpoint_factory):
     """TieredStore.prefetch_slots: prefetches evict cached experts only while fewer than the quota of slots hold
     unjudged or wrong guesses; past it they recycle stale guesses (marked by cancel_prefetch once routing proves
-    them wrong), which are also the first victims of a demand read; a right guess (acquired) frees its place."""
+    them wrong), which are also the first victims of a demand read; a right guess (acquired) frees its place.
+    The quota is the store's from construction (PrefetchConfig.slots), here 2, then 1 in a second store."""
     path = checkpoint_factory("qwen3_moe", "offload")
-    with Engine.open(path, budget=Budget(ram="25%"), max_context=64, prefetch=False) as engine:
-        store = engine.store
-        engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)  # every expert slot holds a cached unit
+
+    def opened(slots: int) -> Engine:
+        return Engine.open(path, budget=Budget(ram="25%"), max_context=64,
+                           prefetch=PrefetchConfig(enabled=False, slots=slots))
+
+    def warm(store):  # every expert slot holds a cached unit: (pool, cached units, experts not resident)
         pool = store.compute.pools["expert"]
         assert all(s.key is not None for s in pool)
         cached = lambda: {s.key for s in pool if not s.prefetched and s.loading is None}  # noqa: E731
         absent = [k for k in store.checkpoint.layouts if k.kind == "expert" and k not in store.compute.resident]
-        store.prefetch_slots = 2
+        return pool, cached, absent
+
+    with opened(slots=2) as engine:
+        store = engine.store
+        engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)  # every expert slot holds a cached unit
+        pool, cached, absent = warm(store)
+        assert store.prefetch_slots == 2
         before = cached()
         assert store.prefetch(absent[:6]) == 2  # the quota: two cached experts may go
         for key in absent[:2]:
@@ -264,7 +274,12 @@ def test_wrong_guesses_evict_at_most_the_quota_and_are_the_first_victims(checkpo
         for _ in store.acquire([absent[3]]):  # a demand miss evicts the remaining stale guess first
             store.release([absent[3]])
         assert stale not in store.compute.resident and cached() >= before
-        store.prefetch_slots = 1
+    with opened(slots=1) as engine:  # a quota of one, already filled by an unjudged guess (absent[2])
+        store = engine.store
+        engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+        pool, cached, absent = warm(store)
+        store.prefetch(absent[2:3])
+        wait_landed(store, absent[2])
         assert store.prefetch(absent[4:5]) == 0  # absent[2], not judged yet, fills the quota
         for _ in store.acquire([absent[2]]):  # a right guess joins the cache and frees its quota place
             store.release([absent[2]])

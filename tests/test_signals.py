@@ -37,7 +37,7 @@ import faulthandler, json, os, random, signal, sys, threading, time
 
 from offload_engine import api
 from offload_engine.cli import main
-from offload_engine.store import store as store_mod
+from offload_engine.store import unit_io as store_mod  # the module whose reads the store calls
 
 LOAD_DELAY = float(os.environ.get("SIGINT_TEST_LOAD_DELAY", "0"))
 READ_DELAY = float(os.environ.get("SIGINT_TEST_READ_DELAY", "0"))

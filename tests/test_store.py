@@ -345,3 +345,41 @@ def test_a_bad_gds_setting_is_refused_by_name(checkpoint_factory, monkeypatch):
     monkeypatch.setenv("OFFLOAD_ENGINE_GDS", "maybe")
     with pytest.raises(ConfigError, match="OFFLOAD_ENGINE_GDS"):
         Engine.open(checkpoint_factory("qwen3_moe", "offload"), budget=Budget(ram="50%"))
+
+
+def test_the_store_reads_through_the_io_it_is_given_and_reports_one_snapshot(checkpoint_factory):
+    """TieredStore(io=...): every disk read and copy goes through the injected UnitIO (the fault tests' seam),
+    which the store closes; snapshot() is the counters plus the ledger's budgets and peaks."""
+    from offload_engine.checkpoint.model import open_model
+    from offload_engine.checkpoint.naming import UnitKey
+    from offload_engine.store.build import plan_for
+    from offload_engine.store.ledger import Ledger
+    from offload_engine.store.store import TieredStore, UnitIO
+    from offload_engine.config import ResolvedBudget
+
+    checkpoint = open_model(checkpoint_factory("qwen3_moe", "offload"))
+    placement, _ = plan_for(checkpoint, ResolvedBudget(None, checkpoint.total_bytes // 4), torch.device("cpu"),
+                            0, "off")
+    seen: list[UnitKey] = []
+
+    class Recording(UnitIO):
+        def read(self, layout, slot):
+            seen.append(layout.key)
+            super().read(layout, slot)
+
+    io = Recording(checkpoint.index.shards, torch.device("cpu"))
+    ledger = Ledger({t.name: t.budget for t in placement.tiers})
+    store = TieredStore(checkpoint, placement, ledger, torch.device("cpu"), torch.float32, io=io, prefetch_slots=3)
+    try:
+        keys = [k for k in checkpoint.layouts if k.kind == "expert"][:3]
+        for key, _ in store.acquire(keys):
+            store.release([key])
+        assert set(keys) <= set(seen) and store.prefetch_slots == 3
+        snap = store.snapshot()
+        assert snap["bytes_read_disk"] == sum(checkpoint.layouts[k].nbytes for k in seen) > 0
+        assert snap["budget_bytes"]["host"] == ledger.budgets()["host"] and snap["reads_in_flight"] == 0
+        assert snap["peak_bytes"]["host"] == ledger.peak()["host"] > 0
+    finally:
+        store.close()
+    with pytest.raises(IOFault, match="closed"):  # the store closed the I/O it was given
+        io.files.fd(checkpoint.layouts[keys[0]].read_ranges()[0].file)

@@ -43,7 +43,7 @@ class ExpertClock:
         model_module.expert_part = self._timed
 
     def _timed(self, *args):
-        busy = self.engine.store.stats.read_busy._active if self.engine is not None else 0
+        busy = self.engine.store.stats.read_busy.active if self.engine is not None else 0
         key = (self.name, "reading" if busy else "idle")
         start = time.thread_time()
         try:

@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoint.naming import UnitKey
 from ..errors import ConfigError
-from ..store.store import PREFETCH_SLOTS
+from ..store.eviction import PREFETCH_SLOTS
 from .predictor import ExpertPredictor
 
 
@@ -41,7 +41,7 @@ class PrefetchConfig:
     min_prob: float = 0.05
     adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
     reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
-    slots: int = PREFETCH_SLOTS  # slots of a kind that prefetched, unused units may hold (TieredStore._reserve)
+    slots: int = PREFETCH_SLOTS  # the store's quota of prefetched, unused units per kind (TieredStore(prefetch_slots))
     route_ahead: int = 1  # MoE layers whose routing a layer waiting for reads predicts (0: off; CausalLM._route_ahead)
 
     def __post_init__(self):
@@ -138,8 +138,7 @@ ROUTE_AHEAD_TOKENS = 16
 class Prefetcher:
     def __init__(self, store, predictor: ExpertPredictor, moe_layers: list[int], num_layers: int,
                  config: PrefetchConfig):
-        self.store, self.predictor, self.config = store, predictor, config
-        store.prefetch_slots = config.slots
+        self.store, self.predictor, self.config = store, predictor, config  # config.slots: the store's own quota
         self.moe_layers, self.num_layers = sorted(moe_layers), num_layers
         self.metrics = PrefetchMetrics()
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for it, not yet routed
@@ -198,7 +197,7 @@ class Prefetcher:
 
     def routed_ahead(self, layer: int, experts: list[int]) -> None:
         """Layer `layer`'s routing as predicted by a layer before it (CausalLM._route_ahead): read its experts
-        now, under the rules of every prefetch (TieredStore._reserve: only into slots unused since the previous
+        now, under the rules of every prefetch (Evictor.reserve: only into slots unused since the previous
         forward began, within the quota of unjudged guesses). A wrong guess is cancelled or marked stale by
         `routed`."""
         self._ahead.setdefault(layer, set()).update(experts)
@@ -215,7 +214,7 @@ class Prefetcher:
         if wrong:
             self.store.cancel_prefetch([UnitKey(layer, "expert", e) for e in sorted(wrong)])
 
-    def summary(self) -> dict:
+    def snapshot(self) -> dict:
         metrics = self.metrics.summary()
         on_share = self._forwards[1] / self._forwards[0] if self._forwards[0] else 0.0
         # recall / precision score the lookahead in the forwards that ran it (those that do not route ahead: 0.0
@@ -225,3 +224,5 @@ class Prefetcher:
                 "pay_check_verdicts": list(self.pay.verdicts) if self.pay else None,
                 "forwards_with_expert_prefetch": on_share, **metrics,
                 "route_ahead": {k: v for k, v in self.ahead_metrics.summary().items() if k != "per_layer"}}
+
+    summary = snapshot  # the old name, still read by api._prefetch_stats (the lead moves it to snapshot())

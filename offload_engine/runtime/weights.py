@@ -8,13 +8,14 @@ reads first calls the caller's `while_waiting` (once), so the caller can use the
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from ..checkpoint.naming import UnitKey
+from ..store.weights import Weights
 
-Weights = Mapping[str, torch.Tensor]
+__all__ = ["Weights", "WeightSource", "hold", "lookup"]
 
 
 class WeightSource(Protocol):

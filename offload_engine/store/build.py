@@ -13,7 +13,7 @@ from ..planner.placement import KindSize, Placement, plan_placement
 from ..planner.placement import kind_sizes as placement_kind_sizes
 from .disk import ALIGN, BOUNCE_BYTES, DIRECT_SLACK
 from .ledger import Ledger
-from .store import ReadFn, TieredStore
+from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
 
 READER_THREADS = 4
 STALL_TIMEOUT_S = 60.0
@@ -104,11 +104,12 @@ def gds_from_env() -> bool:
 
 def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
                 direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
-                stall_timeout: float | None = None) -> TieredStore:
+                stall_timeout: float | None = None, copy_fn: CopyFn | None = None,
+                prefetch_slots: int = PREFETCH_SLOTS) -> TieredStore:
     ledger = Ledger({t.name: t.budget for t in placement.tiers})
     timeout = stall_timeout or stall_timeout_from_env()
     staged = max(t.staging_bytes for t in placement.tiers)  # what plan_for charged for the bounce buffers
     bounce = staged // READER_THREADS or bounce_bytes(placement.sizes)
     return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
                        threads=READER_THREADS, bounce_bytes=bounce, gds=gds_from_env(), stall_timeout=timeout,
-                       read_fn=read_fn, progress=progress)
+                       read_fn=read_fn, copy_fn=copy_fn, prefetch_slots=prefetch_slots, progress=progress)

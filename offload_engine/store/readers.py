@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import mmap
 import queue
 import threading
 import time
@@ -101,14 +100,17 @@ class BusyClock:
         with self._lock:
             return self._total + (time.monotonic() - self._since if self._active else 0.0)
 
+    @property
+    def active(self) -> int:
+        """Jobs running now (a reader is reading while it is above 0)."""
+        return self._active
+
 
 class ReaderPool:
-    def __init__(self, threads: int, bounce_bytes: int = 0, busy: BusyClock | None = None):
+    def __init__(self, threads: int, busy: BusyClock | None = None):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._stop = threading.Event()
         self._seq = itertools.count()
-        self._local = threading.local()
-        self._bounce_bytes = bounce_bytes
         self.current: dict[int, tuple[str, float]] = {}  # thread id -> (what it is reading, since when)
         self.unjoined: list[str] = []  # after close(): threads still stuck in a read, and what they read
         # Workers hold the queue, the stop event and `current`, never the pool: a pool dropped without close()
@@ -136,12 +138,9 @@ class ReaderPool:
         self._queue.put((priority, next(self._seq), fut, fn, what))
         return fut
 
-    def bounce(self) -> memoryview:
-        """This worker's page-aligned bounce buffer for O_DIRECT (anonymous mmap: aligned by construction)."""
-        buf = getattr(self._local, "bounce", None)
-        if buf is None:
-            buf = self._local.bounce = memoryview(mmap.mmap(-1, self._bounce_bytes))
-        return buf
+    def threads_alive(self) -> list[str]:
+        """The names of the worker threads still running (all of them while open; none once closed)."""
+        return [t.name for t in self._threads if t.is_alive()]
 
     def reads_in_progress(self) -> list[ReadInProgress]:
         """What every busy worker is reading, oldest first."""

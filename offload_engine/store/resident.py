@@ -8,8 +8,8 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
-from ..runtime.weights import Weights
 from .disk import ShardFiles, read_unit
+from .weights import Weights
 
 
 def convert(weights: Weights, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

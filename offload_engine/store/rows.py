@@ -8,13 +8,27 @@ whose token was seen lately reads nothing.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 
+from ..checkpoint.index import DTYPES
 from ..checkpoint.layout import ReadRange, TensorSlice, UnitLayout
-from ..errors import ConfigError
+from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.naming import UnitKey
+from ..errors import ConfigError, EngineClosedError
+from ..planner.placement import Placement
+from .ledger import Ledger
+from .readers import DEMAND, ReaderPool
+from .stats import StoreStats
+from .tier import Tier
+from .unit_io import UnitIO
+from .weights import Weights
 
 
 @dataclass(frozen=True)
@@ -114,3 +128,91 @@ class RowCache:
             slots.append(slot)
         if slots:
             self.buffer[torch.tensor(slots, device=self.buffer.device)] = data
+
+
+def row_caches(checkpoint: ModelCheckpoint, placement: Placement, compute: Tier,
+               ledger: Ledger) -> dict[UnitKey, RowCache]:
+    """A RowCache per unit read by rows, sharing the compute tier's row cache bytes (charged here)."""
+    nbytes = placement.compute.row_cache_bytes
+    keys = [k for k in checkpoint.layouts if placement.by_rows(k.kind)]
+    if not nbytes or not keys:
+        return {}
+    ledger.charge(compute.name, nbytes, "row cache")
+    caches = {}
+    for key in keys:
+        size = row_bytes(row_tensor(checkpoint.layouts[key]))
+        caches[key] = RowCache(nbytes // len(keys) // size, size, compute.device)
+    return caches
+
+
+class RowReader:
+    """The store's `rows`: a lookup's rows from the host tier's pinned copy, the row cache, or the checkpoint
+    (read by the reader pool through the store's UnitIO). `wait` waits for some of the reads like a demand miss
+    (TieredStore._wait_any: counted as I/O wait, an IOStallError once no read makes progress)."""
+
+    def __init__(self, checkpoint: ModelCheckpoint, placement: Placement, compute: Tier, host: Tier | None,
+                 dtype: torch.dtype, caches: dict[UnitKey, RowCache], io: UnitIO, pool: ReaderPool,
+                 wait: Callable[[dict[Future, UnitKey]], set[Future]], lock: threading.RLock, stats: StoreStats):
+        self.layouts, self.placement, self.compute, self.host, self.dtype = (checkpoint.layouts, placement, compute,
+                                                                            host, dtype)
+        self.caches, self.io, self.pool, self.wait, self.lock, self.stats = caches, io, pool, wait, lock, stats
+
+    def rows(self, key: UnitKey, ids: torch.Tensor) -> tuple[Weights, torch.Tensor] | None:
+        """See TieredStore.rows."""
+        layout = self.layouts[key]
+        host_copy = self.host is not None and key.kind in self.host.pinned_kinds
+        if key.kind in self.compute.pinned_kinds or not (host_copy or self.placement.by_rows(key.kind)):
+            return None
+        req = plan_rows(layout, ids)
+        if host_copy:
+            slot = self.host.resident[key]
+            table = layout.views(slot.blob[slot.offset:])[req.tensor.local][torch.tensor(req.rows)]
+        else:
+            raw = self._rows_raw(key, layout, req.rows)
+            table = raw.view(DTYPES[req.tensor.dtype][1]).view(len(req.rows), req.tensor.shape[1])
+        if table.is_floating_point() and table.dtype != self.dtype:
+            table = table.to(self.dtype)
+        return {req.tensor.local: table.to(self.compute.device)}, req.local_ids.to(ids.device)
+
+    def _rows_raw(self, key: UnitKey, layout: UnitLayout, rows: list[int]) -> torch.Tensor:
+        """The bytes of `rows` (distinct ids, ascending) as [len(rows), row bytes]: those in the row cache from
+        there, the others read from the checkpoint (and cached)."""
+        cache = self.caches.get(key)
+        cached, slots, missing = cache.lookup(rows) if cache is not None else ([], [], list(range(len(rows))))
+        ids = [rows[i] for i in missing]
+        with self.lock:
+            self.stats.rows["cached"] += len(cached)
+            self.stats.rows["read"] += len(ids)
+        size = row_bytes(row_tensor(layout))
+        with torch.inference_mode(False):  # reader threads write into it, outside inference mode
+            read = torch.empty(len(ids), size, dtype=torch.uint8)
+        if ids:
+            self._read_row_ranges(key, plan_rows(layout, torch.tensor(ids)).ranges, read.view(-1))
+        if cache is None:
+            return read
+        out = torch.empty(len(rows), size, dtype=torch.uint8, device=cache.buffer.device)
+        if cached:
+            out[cached] = cache.buffer[slots]
+        if ids:
+            read = read.to(out.device)
+            out[missing] = read
+            cache.insert(ids, read)
+        return out
+
+    def _read_row_ranges(self, key: UnitKey, ranges: list[ReadRange], blob: torch.Tensor) -> None:
+        """Read `ranges` into `blob` on the reader pool (split across its threads), waiting like a demand miss:
+        an IOFault names the shard and offset, an IOStallError fires after stall_timeout without progress."""
+        inflight = {self.pool.submit(DEMAND, partial(self.io.read_ranges, group, blob), f"{key} rows"): key
+                    for group in split(ranges, self.pool.threads)}
+        try:
+            while inflight:
+                for fut in self.wait(inflight):
+                    del inflight[fut]
+                    if fut.cancelled():
+                        raise EngineClosedError(f"the weight store was closed while {key}'s rows were queued")
+                    if fut.exception() is not None:
+                        raise fut.exception()
+        finally:
+            for fut in inflight:  # a failed request starts no more reads; running ones fill a buffer now unused
+                fut.cancel()
+        self.io.counters.add(read=sum(r.nbytes for r in ranges))

@@ -8,10 +8,25 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint.layout import UnitLayout
 from ..checkpoint.naming import UnitKey
 from ..errors import out_of_memory_as_error
+from ..planner.placement import KindSize, TierPlan
 from .hostmem import host_buffer, pinned_host_buffer
 from .ledger import Ledger
+from .weights import Weights
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What a slot holds at one moment (TieredStore.slot_states)."""
+
+    tier: str
+    kind: str
+    index: int
+    key: UnitKey | None
+    refs: int
+    reading: bool  # a read or copy into it is in flight (not finished)
 
 
 @dataclass(eq=False)
@@ -32,6 +47,21 @@ class Slot:
     # to the compute dtype: valid while (key, offset) match, a unit's layout in its blob being fixed (building
     # them costs ~30 us of Python per acquire)
     views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor], frozenset[str]] | None = None
+
+    def state(self) -> SlotState:
+        fut = self.loading
+        return SlotState(self.tier, self.kind, self.index, self.key, self.refs, fut is not None and not fut.done())
+
+    def weights(self, layout: UnitLayout, dtype: torch.dtype) -> Weights:
+        """The typed views of `layout`'s unit in this slot, floating ones cast to `dtype`."""
+        cached = self.views
+        if cached is None or cached[0] != (layout.key, self.offset):
+            views = layout.views(self.blob[self.offset:])
+            cast = frozenset(k for k, v in views.items() if v.is_floating_point() and v.dtype != dtype)
+            cached = self.views = ((layout.key, self.offset), views, cast)
+        _, views, cast = cached
+        # a copy: callers may rebind entries, never the slot's cached views
+        return {k: (v.to(dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
 
 
 @dataclass(eq=False)
@@ -54,6 +84,25 @@ class Tier:
     recency_kinds: set[str] = field(default_factory=set)
     recency: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
+
+    def provision(self, plan: TierPlan, sizes: dict[str, KindSize], ledger: Ledger, pin_memory: bool) -> None:
+        """Charge the plan's staging and KV cache bytes, and allocate its slots (charged first, each pool)."""
+        if plan.staging_bytes:
+            ledger.charge(self.name, plan.staging_bytes, "staging")
+        if plan.kv_bytes:
+            ledger.charge(self.name, plan.kv_bytes, "kv cache")
+        for kind, n in plan.slots.items():
+            self.allocate(kind, n, sizes[kind].slot_bytes, ledger, pin_memory=pin_memory)
+
+    def unprovision(self, plan: TierPlan, ledger: Ledger) -> None:
+        """Free every slot and credit what `provision` (and the row cache, rows.row_caches) charged, as far as
+        it was charged (a store whose construction failed midway closes too)."""
+        self.free_all(ledger)
+        items = ledger.accounts[self.name].items
+        for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes),
+                        ("row cache", plan.row_cache_bytes)):
+            if n and items.get(what):
+                ledger.credit(self.name, n, what)
 
     def allocate(self, kind: str, count: int, slot_bytes: int, ledger: Ledger, pin_memory: bool) -> None:
         """`count` slots of `slot_bytes`, charged before they are allocated: one allocation per pool, sliced into
