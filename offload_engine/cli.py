@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
-    run.add_argument("--context", type=int, help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
+    run.add_argument("--context", type=int,
+                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
     run.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                      help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
                           "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")

@@ -141,7 +141,7 @@ class EngineConfig:
     times); record_routing: the model appends every MoE layer's routing to `model.routing_trace`
     (tools/trace_experts.py)."""
 
-    budget: Budget = field(default_factory=lambda: Budget())
+    budget: Budget = field(default_factory=Budget)
     device: str | torch.device | None = None
     dtype: str | torch.dtype | None = None
     max_context: int | None = None
@@ -153,7 +153,7 @@ class EngineConfig:
     progress: bool = False
     read_fn: ReadFn | None = None
     stall_timeout: float | None = None
-    speculative: SpeculativeConfig = field(default_factory=lambda: SpeculativeConfig())
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host_compute: str = "off"
     prefill_chunk: int = PREFILL_CHUNK
     record_routing: bool = False
@@ -187,8 +187,7 @@ class EngineConfig:
         budget = budget if budget is not None else Budget()
         _check_budget(budget, "budget")  # first, as Engine.open always checked it
         speculative = SpeculativeConfig(spec, spec_depth, spec_width, draft_model, draft_budget)
-        return cls(budget=budget, device=device, dtype=dtype,
-                   speculative=speculative, **options)
+        return cls(budget=budget, device=device, dtype=dtype, speculative=speculative, **options)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":

@@ -7,7 +7,7 @@ from __future__ import annotations
 SPEC_MODES = ("off", "auto", "ngram", "mtp", "draft", "self")
 # plan --spec: the modes the planner's cost model predicts (planner/plan.py)
 PLAN_SPEC_MODES = ("off", "auto", "mtp", "ngram")
-# --host-compute: experts the CPU computes where they lie in RAM (runtime/host_compute.py check_host_compute)
+# --host-compute: experts the CPU computes where they lie in RAM (config.EngineConfig)
 HOST_COMPUTE_MODES = ("off", "on", "auto")
 # --direct-io: O_DIRECT reads; auto: on when the weights exceed the host budget (config.EngineConfig)
 DIRECT_IO_MODES = ("auto", "on", "off")
