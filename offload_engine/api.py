@@ -1,4 +1,7 @@
-"""Engine: the Python API. Engine.open(path, budget=..., spec=...) -> generate() / stream() / logits().
+"""Engine: the Python API. Engine.open(path, budget=..., spec=...) -> generate() / stream() / logits() / stats.
+
+The engine's parts are built by assemble.py from an EngineConfig (config.py); this module is the facade over them:
+lifecycle, requests, and per-request stats read from each part's snapshot().
 
 Concurrent generate() calls on one engine are serialized by a lock (one KV cache and one weight store per
 engine): they give the same outputs as sequential calls. A thread that starts a second request while it still
@@ -7,46 +10,27 @@ that thread ends the suspended stream first.
 """
 from __future__ import annotations
 
-import logging
-import math
 import os
 import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .checkpoint.model import ModelCheckpoint, open_model
-from .config import Budget, resolve_device, resolve_dtype
-from .interrupts import finish_despite_interrupts, sigint_guarded
-from .errors import ConfigError, EngineBusyError, EngineClosedError, PlanError, out_of_memory_as_error
-from .checkpoint.naming import UnitKey
-from .planner.costs import Machine
-from .planner.plan import PREFILL_CHUNK
-from .planner.placement import Placement
-from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
-from .prefetch.prefetcher import PrefetchConfig, Prefetcher
-from .runtime.host_compute import HostCompute, check_host_compute, measure_machine
-from .runtime.kv_cache import ROLLBACK
-from .runtime.model import CausalLM
-from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
-from .speculative.chooser import SpecStats
+from .assemble import SPEC_ROOM, EngineParts, assemble, close_parts
+from .config import EngineConfig
+from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
 from .generate.sampling import Sampler, SamplingParams
-from .speculative.stepper import MAX_DEPTH, MAX_WIDTH, check_spec, make_stepper
-from .store.build import build_store, plan_for
-from .store.policy import POLICIES
-from .store.store import CopyFn, ReadFn, TieredStore
-from .tokenizer import Tokenizer
-
-
-DEFAULT_CONTEXT = 4096
-# KV entries a draft tree may occupy beyond the committed tokens during one verification pass; reserved (and
-# charged) in every engine so any request may speculate
-SPEC_ROOM = MAX_DEPTH * MAX_WIDTH + 1
+from .interrupts import finish_despite_interrupts, sigint_guarded
+from .planner.placement import Placement
+from .prefetch.prefetcher import Prefetcher
+from .runtime.mtp import mtp_layer_count
+from .speculative.chooser import SpecStats
+from .speculative.stepper import check_spec, make_stepper
+from .store.store import TieredStore
 
 
 @dataclass
@@ -58,104 +42,42 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, checkpoint: ModelCheckpoint, model: CausalLM, tokenizer: Tokenizer | None,
-                 store: TieredStore, device: torch.device, dtype: torch.dtype, *, context: int | None = None,
-                 spec: str = "off", spec_depth: int | None = None, spec_width: int | None = None,
-                 draft: "Engine | None" = None):
-        self.checkpoint, self.model, self.tokenizer, self.store = checkpoint, model, tokenizer, store
-        self.device, self.dtype = device, dtype
-        self.context = context or model.max_context  # prompt + generated tokens one request may hold
-        self.spec, self.spec_depth, self.spec_width = check_spec(spec, spec_depth, spec_width)
-        self.draft = draft
+    def __init__(self, parts: EngineParts):
+        """An engine over assembled parts (assemble.assemble); Engine.open assembles them."""
+        self.checkpoint, self.model, self.tokenizer = parts.checkpoint, parts.model, parts.tokenizer
+        self.store = parts.store
+        self.device, self.dtype = parts.device, parts.dtype
+        self.context = parts.context  # prompt + generated tokens one request may hold
+        self.speculative = parts.speculative  # the default speculative decoding of requests
+        self.draft = Engine(parts.draft) if parts.draft is not None else None
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the request holding the lock
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
         # an engine dropped without close() still joins its reader threads and closes its descriptors
-        self._finalizer = weakref.finalize(self, _close_parts, store, draft)
+        self._finalizer = weakref.finalize(self, close_parts, self.store, self.draft)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @classmethod
     @sigint_guarded()  # a Ctrl-C while it loads never strands a lock the cleanup needs (interrupts.py)
-    def open(cls, path: str | os.PathLike, budget: Budget | None = None, device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, *, max_context: int | None = None, policy: str = "lru-floor",
-             direct_io: str = "auto", prefetch: PrefetchConfig | bool = True, trace: str | None = None,
-             allow_cast: bool = False, progress: bool = False, read_fn: ReadFn | None = None,
-             stall_timeout: float | None = None, spec: str = "off", spec_depth: int | None = None,
-             spec_width: int | None = None, draft_model: str | os.PathLike | None = None,
-             draft_budget: Budget | None = None, host_compute: str = "off",
-             prefill_chunk: int = PREFILL_CHUNK, copy_fn: CopyFn | None = None) -> "Engine":
-        """Open a Hugging Face folder within a memory budget. Planning (and its BudgetError) happens before any
-        weight is read. `prefetch`: True (defaults), False, or a PrefetchConfig; `trace`: a routing trace to seed
-        the frequency prior. `read_fn` replaces the disk read of one byte range (fault-injection tests).
-        `stall_timeout`: seconds without any read making progress before a request fails with IOStallError
-        (default 60, or OFFLOAD_ENGINE_STALL_TIMEOUT).
-
-        spec: the default speculative mode of requests ("off", "auto", "ngram", "mtp", "draft", "self");
-        "mtp" loads the checkpoint's MTP layers as `mtp` units, "auto" only where they cost little memory
-        (_with_mtp_units); spec_depth / spec_width fix the draft
-        shape (default: the cost model chooses each step). draft_model: a smaller checkpoint with the same
-        tokenizer, opened as its own engine within `draft_budget`.
-
-        host_compute: "off" (default), "on" or "auto": experts the host tier holds and the device tier does not
-        are computed by the CPU where they lie instead of being copied (runtime/host_compute.py; not bit for bit
-        the device's results on a GPU).
-
-        prefill_chunk: prompt tokens per forward (a longer prompt runs in chunks against the KV cache). Its
-        activations grow with it (`plan --prefill-chunk` sizes them); under offload a larger chunk reads each
-        expert the prompt misses fewer times."""
-        budget = budget or Budget()
-        if not isinstance(budget, Budget):
-            raise ConfigError(f"budget must be an offload_engine.Budget, got {type(budget).__name__}")
-        spec, spec_depth, spec_width = check_spec(spec, spec_depth, spec_width)
-        if spec == "draft" and draft_model is None:
-            raise ConfigError("spec 'draft' needs a draft model: pass --draft-model DIR (API: draft_model=...)")
-        dev = resolve_device(device)
-        compute_dtype = resolve_dtype(dtype, dev)
-        host_compute = check_host_compute(host_compute)
-        if policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)} (--policy), got {policy!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk (--prefill-chunk) must be a positive int, got {prefill_chunk!r}")
-        checkpoint = open_model(path, allow_cast=allow_cast)
-        # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
-        resolved = budget.resolve(checkpoint.index.total_bytes)
-        context = max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
-        ops = checkpoint.arch.ops(checkpoint.args, dev, compute_dtype)
-        itemsize = torch.empty((), dtype=compute_dtype).element_size()
-
-        def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-            return plan_for(ck, resolved, dev, _kv_bytes(ck, ops, itemsize, context), direct_io)
-
-        placement, use_direct = plan(checkpoint)
-        if spec in ("auto", "mtp"):
-            checkpoint, placement, use_direct = _with_mtp_units(checkpoint, placement, use_direct, plan,
-                                                                required=spec == "mtp")
-        # the rates host_compute="auto" weighs, measured before the store allocates (the probes' buffers are
-        # transient and outside the budget), and only where the host tier will cache experts apart from VRAM
-        rates = (measure_machine(dev, compute_dtype)
-                 if host_compute == "auto" and dev.type == "cuda" and placement.host_caches("expert") else None)
-        store = build_store(checkpoint, placement, dev, compute_dtype, use_direct, policy, progress, read_fn,
-                            stall_timeout=stall_timeout, copy_fn=copy_fn,  # copy_fn: fault tests' host -> device copy
-                            prefetch_slots=getattr(prefetch, "slots", PrefetchConfig.slots))
-        draft = None
+    def open(cls, path: str | os.PathLike, config: EngineConfig | None = None, **keywords: Any) -> "Engine":
+        """Open a Hugging Face folder within a memory budget: `config` (an EngineConfig: every option, its
+        default and what it means), or its keyword form (EngineConfig.from_keywords: budget, device, dtype,
+        max_context, policy, direct_io, prefetch, trace, allow_cast, progress, read_fn, stall_timeout, spec,
+        spec_depth, spec_width, draft_model, draft_budget, host_compute, prefill_chunk), e.g.
+        Engine.open(path, budget=Budget(ram="25%"), spec="auto"). Planning (and its BudgetError) happens before
+        any weight is read."""
+        if config is None:
+            config = EngineConfig.from_keywords(**keywords)
+        elif keywords:
+            raise TypeError(f"Engine.open: pass an EngineConfig or keywords, not both (got {sorted(keywords)})")
+        elif not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an offload_engine.EngineConfig, got {type(config).__name__}")
+        parts = assemble(path, config)
         try:
-            model = CausalLM(checkpoint, store, dev, compute_dtype, max_context=context + SPEC_ROOM,
-                             prefill_chunk=prefill_chunk)
-            if spec == "mtp" and not mtp_supported(model):
-                raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
-                                  f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
-                                  f"{checkpoint.arch.name})")
-            model.prefetcher = _prefetcher(model, store, prefetch, trace)
-            model.host_compute = _host_compute(host_compute, rates, store)
-            tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
-            if draft_model is not None and spec in ("auto", "draft"):
-                draft = _open_draft(draft_model, draft_budget, dev, compute_dtype, context, tokenizer,
-                                    model.vocab_size, progress)
-            return cls(checkpoint, model, tokenizer, store, dev, compute_dtype, context=context, spec=spec,
-                       spec_depth=spec_depth, spec_width=spec_width, draft=draft)
-        except BaseException:  # a Ctrl-C may land anywhere here, the Engine's own __init__ included
-            finish_despite_interrupts(lambda: _close_parts(store, draft))
+            return cls(parts)
+        except BaseException:  # a Ctrl-C may land in __init__ too
+            finish_despite_interrupts(parts.close)
             raise
 
     @property
@@ -173,7 +95,7 @@ class Engine:
             if not self._closed:
                 self._closed = True
                 self._finalizer.detach()  # closed here, by a rerunnable call (the finalizer runs once)
-                finish_despite_interrupts(lambda: _close_parts(self.store, self.draft))
+                finish_despite_interrupts(lambda: close_parts(self.store, self.draft))
 
     def __enter__(self) -> "Engine":
         return self
@@ -224,7 +146,7 @@ class Engine:
         params = SamplingParams(**sampling)
         ids = check_prompt(self.encode(prompt, chat), self.model.vocab_size)
         if spec is None:
-            mode, depth, width = self.spec, self.spec_depth, self.spec_width
+            mode, depth, width = self.speculative.mode, self.speculative.depth, self.speculative.width
         else:
             mode, depth, width = check_spec(spec, spec_depth, spec_width)
         if mode == "mtp" and not mtp_layer_count(self.checkpoint):
@@ -241,7 +163,7 @@ class Engine:
     def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None
                ) -> Iterator[TokenEvent | FinishEvent]:
         with self._request():
-            before = self._counters()
+            before = self.snapshot()
             cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
             spec_stats = SpecStats()
             draft = self.draft
@@ -259,7 +181,7 @@ class Engine:
                 if isinstance(event, FinishEvent):
                     event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event)}
                 elif decoding is None:
-                    decoding = self._counters()
+                    decoding = self.snapshot()
                 yield event
 
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
@@ -280,19 +202,27 @@ class Engine:
         with sigint_guarded(), self._request(), out_of_memory_as_error("logits"):
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
-    def _counters(self) -> dict[str, Any]:
-        """The store's counters and the model's own (time computing experts on the host), for per-request deltas."""
-        return {**self.store.stats.snapshot(), "host_compute_s": self.model.host_compute_s}
+    # ---- stats -----------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's counters now (the store's and the model's, cumulative since open) and its memory: byte
+        budgets and peaks per tier (ledger accounts). Two snapshots' counters subtract to a span's (stats)."""
+        return {**_store_snapshot(self.store), **self.model.snapshot()}
+
+    @property
+    def compute_tier(self) -> str:
+        """The tier the model computes from ("device", or "host" on a CPU without --vram): snapshot()'s hits and
+        misses of this tier are the hit rate."""
+        return self.store.compute.name
 
     def stats(self, finish: FinishEvent, before: dict | None = None, decoding: dict | None = None
               ) -> dict[str, Any]:
-        """Per-request figures (store counters as deltas from `before`, a store snapshot taken at its start;
-        `decoding`: one taken when the prefill's token came out, for the decode steps' own stall)."""
+        """Per-request figures (counters as deltas from `before`, a snapshot() taken at its start; `decoding`: one
+        taken when the prefill's token came out, for the decode steps' own stall)."""
         n = len(finish.token_ids)
-        now = self._counters()
-        store = _delta(now, before or {})
-        decode_wait = _delta(now, decoding)["io_wait_s"] if decoding else store["io_wait_s"]
-        ledger = self.store.ledger
+        now = self.snapshot()
+        counters = _delta(now, before or {})
+        decode_wait = _delta(now, decoding)["io_wait_s"] if decoding else counters["io_wait_s"]
+        host = self.model.host_compute
         return {
             "prompt_tokens": finish.prefill_tokens,
             "generated_tokens": n,
@@ -300,92 +230,36 @@ class Engine:
             "decode_s": round(finish.decode_s, 6),
             "prefill_tok_s": finish.prefill_tokens / finish.prefill_s if finish.prefill_s > 0 else 0.0,
             "decode_tok_s": finish.decode_tokens_per_s,
-            **store,
-            "bytes_read_disk_per_token": store["bytes_read_disk"] / max(n, 1),
+            **counters,
+            "bytes_read_disk_per_token": counters["bytes_read_disk"] / max(n, 1),
             "stall_s_per_token": decode_wait / max(n - 1, 1),  # per decode step, the prefill's waits excluded
             # share of the readers' busy time the compute thread did not wait through (I/O hidden by compute)
-            "io_overlap": (max(0.0, 1.0 - store["io_wait_s"] / store["read_busy_s"])
-                           if store["read_busy_s"] > 0 else 1.0),
-            "hit_rate": _hit_rate(store, self.store.compute.name),
-            "prefetch": _prefetch_stats(self.model.prefetcher, store["expert_reads"]),
-            "host_compute": ({**self.model.host_compute.summary(),  # and what the computing took, per expert
-                              "measured_expert_us": store["host_compute_s"] / store["host_computed"] * 1e6
-                              if store["host_computed"] else None}
-                             if self.model.host_compute else {"mode": "off"}),
-            "budget_bytes": _tiers(ledger.budgets()),
-            "peak_bytes": _tiers(ledger.peak()),
+            "io_overlap": (max(0.0, 1.0 - counters["io_wait_s"] / counters["read_busy_s"])
+                           if counters["read_busy_s"] > 0 else 1.0),
+            "hit_rate": _hit_rate(counters, self.compute_tier),
+            "prefetch": _prefetch_stats(self.model.prefetcher, counters["expert_reads"]),
+            "host_compute": ({**host.snapshot(),  # and what the computing took, per expert
+                              "measured_expert_us": counters["host_compute_s"] / counters["host_computed"] * 1e6
+                              if counters["host_computed"] else None}
+                             if host else {"mode": "off"}),
+            "budget_bytes": _tiers(now["budget_bytes"]),
+            "peak_bytes": _tiers(now["peak_bytes"]),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
 
 
-def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int) -> int:
-    """Every byte of per-sequence state one request may hold: the main model's KV for the context plus a draft
-    tree, its recurrent state with rollback logs, and each MTP layer's own cache (one attention layer's share,
-    for the context, the tree and the MTP chain)."""
-    tokens = context + SPEC_ROOM
-    main = tokens * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
-    return main + mtp_layer_count(checkpoint) * (tokens + MAX_DEPTH + 1) * ops.layer_kv_bytes_per_token(itemsize)
+# what a snapshot holds that is a level, not a counter: left out of the deltas
+GAUGES = ("budget_bytes", "peak_bytes", "reads_in_flight")
 
 
-def _with_mtp_units(checkpoint: ModelCheckpoint, placement: Placement, use_direct: bool, plan: Any,
-                    required: bool) -> tuple[ModelCheckpoint, Placement, bool]:
-    """The checkpoint with its MTP layers as `mtp` units, and its placement. For "auto" only when they fit
-    without un-pinning any of the model's own units and take at most MTP_CACHE_SHARE of the streaming caches: a
-    dense layer or experts read from disk on every token cost more than MTP drafting saves, so auto then drafts
-    without them (n-gram, self) rather than lose to plain decoding.
-    "mtp" (required) loads them regardless, or fails with the budget's numbers."""
-    with_mtp = attach_mtp_units(checkpoint)
-    if with_mtp is checkpoint:
-        return checkpoint, placement, use_direct
-    try:
-        mtp_placement, mtp_direct = plan(with_mtp)
-    except PlanError:
-        if required:
-            raise
-        return checkpoint, placement, use_direct
-    if required or (_pinned(placement) <= _pinned(mtp_placement)
-                    and _cache_bytes(mtp_placement) >= (1 - MTP_CACHE_SHARE) * _cache_bytes(placement)):
-        return with_mtp, mtp_placement, mtp_direct
-    return checkpoint, placement, use_direct
+def _store_snapshot(store: TieredStore) -> dict[str, Any]:
+    """The store's counters, and its ledger's budgets and peaks per tier."""
+    return store.snapshot()
 
 
-# --spec auto loads MTP layers when they cost at most this share of the cache that streams units (measured on
-# the demo model: giving up 15-50% of the expert cache for MTP lost 11-39% of decode speed at 25-40% budgets,
-# and 9.7% of it (4 of 41 expert slots) lost 5-8% at 50% while the cost model never chose to draft with MTP;
-# one MTP layer of a real model, e.g. DeepSeek-V3's 1 of 61, stays well under 5%)
-MTP_CACHE_SHARE = 0.05
-
-
-def _pinned(placement: Placement) -> set[tuple[str, str]]:
-    return {(t.name, kind) for t in placement.tiers for kind in t.pinned}
-
-
-def _cache_bytes(placement: Placement) -> int:
-    """Bytes of cache slots for units that stream (kinds not pinned on that tier)."""
-    return sum(n * placement.sizes[kind].slot_bytes for t in placement.tiers for kind, n in t.slots.items()
-               if kind not in t.pinned)
-
-
-def _open_draft(path: str | os.PathLike, budget: Budget | None, device: torch.device, dtype: torch.dtype,
-                context: int, tokenizer: Tokenizer | None, vocab_size: int, progress: bool) -> "Engine":
-    """The draft model as an engine of its own (store, budget, reader threads), vocabulary checked now."""
-    from .speculative.drafters.draft_model import check_same_vocabulary
-
-    draft = Engine.open(path, budget=budget, device=device, dtype=dtype, max_context=context + SPEC_ROOM + MAX_DEPTH,
-                        prefetch=False, progress=progress)
-    try:
-        check_same_vocabulary(tokenizer, draft.tokenizer, vocab_size, draft.model.vocab_size)
-    except BaseException:
-        draft.close()
-        raise
-    return draft
-
-
-def _close_parts(store: TieredStore, draft: "Engine | None") -> None:
-    store.close()
-    if draft is not None:
-        draft.close()
+def _prefetch_snapshot(prefetcher: Prefetcher) -> dict[str, Any]:
+    return prefetcher.snapshot()
 
 
 def _spec_summary(mode: str, stats: SpecStats, finish: FinishEvent) -> dict[str, Any]:
@@ -398,42 +272,13 @@ def _spec_summary(mode: str, stats: SpecStats, finish: FinishEvent) -> dict[str,
             "tokens_per_forward": len(finish.token_ids) / forwards if forwards else 0.0}
 
 
-def _prefetcher(model: CausalLM, store: TieredStore, prefetch: PrefetchConfig | bool,
-                trace: str | None) -> Prefetcher | None:
-    """Only when something streams: with every unit pinned there is nothing to read ahead."""
-    config = prefetch if isinstance(prefetch, PrefetchConfig) else PrefetchConfig(enabled=bool(prefetch))
-    if not config.enabled or not store.placement.streams:
-        if trace:
-            logging.getLogger("offload_engine").warning(
-                "routing trace %s not used: %s", trace,
-                "prefetching is off" if not config.enabled else "every unit is resident, nothing is read ahead")
-        return None
-    ops, spec = model.ops, model.spec
-    moe_layers = [l for l in range(spec.num_layers) if ops.is_moe(l)]
-    lookahead = RouterLookahead(ops, moe_layers, spec.num_experts_per_tok, config.margin,
-                                lambda t: store.peek(UnitKey(t, "dense")))
-    prior = FrequencyPrior(moe_layers, spec.num_experts_per_tok, Path(trace) if trace else None)
-    return Prefetcher(store, Combined(lookahead, prior), moe_layers, spec.num_layers, config)
-
-
-def _host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:
-    """Only where a host tier caches experts beyond its staging slots (a unit held for host compute must never
-    leave a reader without one), and for "auto" only on a GPU."""
-    if mode == "off" or not store.placement.host_caches("expert") or (mode == "auto" and not rates):
-        return None
-    layouts = [l for k, l in store.checkpoint.layouts.items() if k.kind == "expert"]
-    biggest = max(layouts, key=lambda l: l.nbytes)
-    params = sum(math.prod(t.shape) for t in biggest.slices)
-    return HostCompute(mode, rates, biggest.nbytes, params)
-
-
 def _prefetch_stats(prefetcher: Prefetcher | None, expert_reads: dict[str, int]) -> dict[str, Any]:
-    """The prefetcher's summary, and recall_effective: the share of this request's expert reads that a prefetch
+    """The prefetcher's snapshot, and recall_effective: the share of this request's expert reads that a prefetch
     made ahead of their use (the planner's prefetch recall, `plan --bench`)."""
     if prefetcher is None:
         return {"enabled": False, "recall_effective": 0.0}
     reads = expert_reads["ahead"] + expert_reads["demand"]
-    return {**prefetcher.summary(), "recall_effective": expert_reads["ahead"] / reads if reads else 0.0}
+    return {**_prefetch_snapshot(prefetcher), "recall_effective": expert_reads["ahead"] / reads if reads else 0.0}
 
 
 def _hit_rate(store: dict, tier: str) -> float:
@@ -448,8 +293,11 @@ def _tiers(values: dict[str, int | None]) -> dict[str, int | None]:
 
 
 def _delta(now: dict, before: dict) -> dict:
+    """Counters of `now` less those of `before` (nested dicts key by key); gauges left out."""
     out = {}
     for k, v in now.items():
+        if k in GAUGES:
+            continue
         b = before.get(k)
         if isinstance(v, dict):
             out[k] = {kk: vv - (b or {}).get(kk, 0) for kk, vv in v.items()}

@@ -12,8 +12,10 @@ from typing import Any, Sequence
 
 from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
+from .config import DTYPES
+from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
+from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, SPEC_MODES
 from .planner.commands import add_plan_parser, add_probe_parser
-from .planner.plan import PREFILL_CHUNK
 from .store.policy import POLICIES
 from .units import format_bytes
 
@@ -56,19 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    run.add_argument("--dtype", choices=list(DTYPES), help="compute dtype")
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
-    run.add_argument("--context", type=int, help="KV cache positions reserved in the budget (default 4096)")
+    run.add_argument("--context", type=int,
+                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
     run.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                      help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
                           "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")
     run.add_argument("--policy", default="lru-floor", choices=POLICIES,
                      help="expert cache eviction policy (docs/PERF.md compares them)")
-    run.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
+    run.add_argument("--direct-io", default="auto", choices=DIRECT_IO_MODES,
                      help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
-    run.add_argument("--host-compute", default="off", choices=["off", "on", "auto"],
+    run.add_argument("--host-compute", default="off", choices=HOST_COMPUTE_MODES,
                      help="compute experts held in RAM (not in VRAM) on the CPU instead of copying them; auto: where "
                           "measured rates say it is faster; on a GPU not bit-identical to device compute")
     run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
@@ -83,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "keeps only while it pays)")
     run.add_argument("--trace", metavar="FILE",
                      help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
-    run.add_argument("--spec", default="off", choices=["off", "auto", "ngram", "mtp", "draft", "self"],
+    run.add_argument("--spec", default="off", choices=SPEC_MODES,
                      help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
                           "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
                           "restricted to its resident experts)")
@@ -126,7 +129,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _prefetch_config(args: argparse.Namespace) -> Any:
-    """--prefetch, --prefetch-depth, --prefetch-reads, --route-ahead and --trace as Engine.open's `prefetch` (a
+    """--prefetch, --prefetch-depth, --prefetch-reads, --route-ahead and --trace as EngineConfig's `prefetch` (a
     PrefetchConfig, or False)."""
     from pathlib import Path
 
@@ -160,24 +163,33 @@ def _set_compute_threads(threads: str, engine: Any) -> None:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig of `run`'s flags (validated as it is built)."""
+    from .config import Budget, EngineConfig, SpeculativeConfig
+
+    prefetch = _prefetch_config(args)
+    speculative = SpeculativeConfig(mode=args.spec, depth=args.spec_depth, width=args.spec_width,
+                                    draft_model=args.draft_model,
+                                    draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram))
+    return EngineConfig(budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
+                        max_context=args.context, policy=args.policy, direct_io=args.direct_io,
+                        prefetch=prefetch, trace=args.trace, allow_cast=args.allow_cast,
+                        progress=_progress(args), stall_timeout=args.stall_timeout, speculative=speculative,
+                        host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
-    from .config import Budget
     from .defaults import default_model_path
     from .errors import ConfigError
 
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
     model = args.model or default_model_path()
+    config = engine_config(args)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
     # between this assignment and the `try`
-    engine = Engine.open(model, budget=Budget(vram=args.vram, ram=args.ram), device=args.device, dtype=args.dtype,
-                         max_context=args.context, policy=args.policy, direct_io=args.direct_io,
-                         allow_cast=args.allow_cast, progress=_progress(args), stall_timeout=args.stall_timeout,
-                         prefetch=_prefetch_config(args), trace=args.trace, spec=args.spec,
-                         spec_depth=args.spec_depth, spec_width=args.spec_width, draft_model=args.draft_model,
-                         draft_budget=Budget(vram=args.draft_vram, ram=args.draft_ram),
-                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
+    engine = Engine.open(model, config)
     try:
         _set_compute_threads(args.threads, engine)
         return _generate(engine, args)

@@ -47,7 +47,7 @@ def test_a_failing_chunk_leaves_the_cache_as_it_was(checkpoint_factory, monkeypa
         model = engine.model
         cache = model.new_cache(PROMPT_LEN + 8)
         model.forward(torch.tensor([5, 6, 7]), cache)  # a committed start the failure must not lose
-        real, calls = model._forward, []
+        real, calls = model.forward_once, []
 
         def second_chunk_fails(*args, **kwargs):
             calls.append(1)
@@ -55,11 +55,11 @@ def test_a_failing_chunk_leaves_the_cache_as_it_was(checkpoint_factory, monkeypa
                 raise RuntimeError("injected fault in the second chunk")
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(model, "_forward", second_chunk_fails)
+        monkeypatch.setattr(model, "forward_once", second_chunk_fails)
         with pytest.raises(RuntimeError, match="second chunk"):
             model.forward(torch.arange(10, 10 + PROMPT_LEN), cache)
         assert cache.length == 3
-        monkeypatch.setattr(model, "_forward", real)
+        monkeypatch.setattr(model, "forward_once", real)
         completion = engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)  # usable again
         assert len(completion.token_ids) == 4
 

@@ -92,10 +92,10 @@ def test_stats_show_the_rules_two_sides():
     """auto's summary (stats["host_compute"]) holds both sides of the rule for one token, so a run shows why."""
     for box in (machine(h2d_gbps=25.0, cpu_gbps=45.0, cpu_tflops=1.0), machine(55.5, 20.0, 1.0)):
         auto = HostCompute("auto", box, *EXPERT)
-        summary = auto.summary()
+        summary = auto.snapshot()
         assert (summary["host_expert_us"] < summary["copied_expert_us"]) == auto.wants(1)
         assert summary["cpu_gbps"] == box.cpu_gbps and summary["h2d_gbps"] == box.h2d_gbps
-    assert HostCompute("on", None, *EXPERT).summary() == {"mode": "on"}
+    assert HostCompute("on", None, *EXPERT).snapshot() == {"mode": "on"}
 
 
 def test_auto_stops_where_observed_times_say_the_host_loses():
@@ -110,7 +110,7 @@ def test_auto_stops_where_observed_times_say_the_host_loses():
         auto.observe(0.9e-3, 1)
     assert auto.wants(1)  # too few yet to overrule the estimate
     auto.observe(0.9e-3, 1)
-    assert not auto.wants(1) and auto.summary()["observed_host_expert_us"] == pytest.approx(900)
+    assert not auto.wants(1) and auto.snapshot()["observed_host_expert_us"] == pytest.approx(900)
     on = HostCompute("on", None, *EXPERT)
     on.observe(1.0, 1)
     assert on.wants(1)  # on computes every one, whatever it takes

@@ -206,7 +206,7 @@ def test_hidden_rows_recorded_one_by_one_are_coalesced():
     rows = torch.arange(400.0).view(200, 2)
     for p in range(200):
         state.push_hidden(p, rows[p:p + 1])
-        assert len(state._chunks) <= MAX_CHUNKS
+        assert state.chunk_count <= MAX_CHUNKS
     assert (state.hidden_start, state.hidden_end) == (100, 200)
     assert torch.equal(state.take_hidden(150, 200), rows[150:200])
 

@@ -231,21 +231,22 @@ def _measured_request(engine: Engine, pct: float | None, prompt: list[int], step
             meter.stop()
             finish = event
         elif before is None:  # the prefill's token: decode starts here
-            before = engine.store.stats.snapshot()
+            before = engine.snapshot()
             meter.start()
         else:
             bar.update()
     bar.close()
-    after, stats = engine.store.stats.snapshot(), finish.stats
+    after, stats = engine.snapshot(), finish.stats
     n = len(finish.token_ids) - 1
-    hits = after["hits"][engine.store.compute.name] - before["hits"][engine.store.compute.name]
-    misses = after["misses"][engine.store.compute.name] - before["misses"][engine.store.compute.name]
+    tier = engine.compute_tier
+    hits = after["hits"][tier] - before["hits"][tier]
+    misses = after["misses"][tier] - before["misses"][tier]
     decode_s = stats["decode_s"]
     read = after["bytes_read_disk"] - before["bytes_read_disk"]
     wasted = after.get("prefetch_wasted", 0) - before.get("prefetch_wasted", 0)
     busy, stall = (after.get("read_busy_s", 0.0) - before.get("read_busy_s", 0.0),
                    after["io_wait_s"] - before["io_wait_s"])
-    unit = engine.store.placement.sizes["expert"].slot_bytes if "expert" in engine.store.placement.sizes else 0
+    unit = engine.placement.sizes["expert"].slot_bytes if "expert" in engine.placement.sizes else 0
     return EngineRun(
         budget_pct=pct, tokens=list(finish.token_ids), decode_steps=n, decode_s=decode_s,
         s_per_token=decode_s / n, tok_s=n / decode_s,

@@ -116,24 +116,23 @@ def run_engine(model: Path, pct: float, tier: str, prompt: list[int], warm: list
     try:
         # as long as the measured request: the expert caches start empty, and the plan predicts a warm cache
         engine.generate(warm, max_new_tokens=steps + 1, ignore_eos=True)
-        store, meter = engine.store, Meter()
-        compute = store.compute.name
+        meter, compute = Meter(), engine.compute_tier
         before = finish = None
         for event in engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True):
             if isinstance(event, FinishEvent):
                 meter.stop()
                 finish = event
             elif before is None:  # the prefill's token: decode starts here
-                before = store.stats.snapshot()
+                before = engine.snapshot()
                 meter.start()
-        after, stats = store.stats.snapshot(), finish.stats
+        after, stats = engine.snapshot(), finish.stats
         hits = after["hits"][compute] - before["hits"][compute]
         misses = after["misses"][compute] - before["misses"][compute]
         n = len(finish.token_ids) - 1
         return {"budget_pct": pct, "tier": tier, "decode_steps": n, "decode_s": stats["decode_s"],
                 "tok_s": n / stats["decode_s"], "hit_rate": hits / max(hits + misses, 1),
                 "bytes_read_disk_per_token": (after["bytes_read_disk"] - before["bytes_read_disk"]) / n,
-                "prefetch": stats.get("prefetch") or {}, "direct_io": store.direct_io,
+                "prefetch": stats.get("prefetch") or {}, "direct_io": engine.store.direct_io,
                 "others_cpu": meter.others_cpu, "cpu_util": meter.cpu_util,
                 "peak_bytes": stats["peak_bytes"], "budget_bytes": stats["budget_bytes"]}
     finally:

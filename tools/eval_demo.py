@@ -39,11 +39,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload_engine import Budget, Engine  # noqa: E402
+from offload_engine import Budget, Engine, EngineConfig  # noqa: E402
+from offload_engine.assemble import assemble  # noqa: E402
 from offload_engine.errors import BudgetError  # noqa: E402
-from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
-from offload_engine.prefetch.predictor import FrequencyPrior, RouterLookahead  # noqa: E402
-from offload_engine.prefetch.prefetcher import PrefetchConfig, Prefetcher  # noqa: E402
+from offload_engine.prefetch.prefetcher import PrefetchConfig  # noqa: E402
 from offload_engine.generate.decoder import FinishEvent, GenerationState, drive  # noqa: E402
 from offload_engine.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from offload_engine.speculative.stepper import make_stepper  # noqa: E402
@@ -245,20 +244,11 @@ def _indent_tail(snippet: str) -> str:
 
 
 # ---- prefetch recall ----------------------------------------------------------------------------------------
-def _prefetcher(engine: Engine, which: str) -> Prefetcher | None:
-    """The engine's prefetcher with the predictor replaced by one part (api._prefetcher's construction)."""
-    model, store = engine.model, engine.store
-    current = model.prefetcher
-    if current is None or which == "combined":
-        return current
-    ops, spec = model.ops, model.spec
-    moe = [l for l in range(spec.num_layers) if ops.is_moe(l)]
-    if which == "lookahead":
-        predictor = RouterLookahead(ops, moe, spec.num_experts_per_tok, current.config.margin,
-                                    lambda t: store.peek(UnitKey(t, "dense")))
-    else:
-        predictor = FrequencyPrior(moe, spec.num_experts_per_tok)
-    return Prefetcher(store, predictor, moe, spec.num_layers, current.config)
+def _engine(path: Path, budget: str, context: int, prefetch: PrefetchConfig, which: str) -> Engine:
+    """An engine whose prefetcher predicts with one part of the engine's predictor ("lookahead", "prior") or with
+    all of it ("combined", the engine's own)."""
+    config = EngineConfig(budget=Budget(ram=budget), max_context=context, prefetch=prefetch)
+    return Engine(assemble(path, config, predictor=which))
 
 
 def prefetch_budgets(path: Path, budget: str, context: int) -> list[str]:
@@ -278,13 +268,13 @@ def prefetch_recall(path: Path, prompts: list[list[int]], budget: str, context: 
     config = PrefetchConfig(adaptive=False, route_ahead=0)
     out: dict[str, Any] = {"budget": budget, "adaptive": False, "prompts": len(prompts)}
     for which in ("lookahead", "prior", "combined"):
-        with Engine.open(path, budget=Budget(ram=budget), max_context=context, prefetch=config) as engine:
+        with _engine(path, budget, context, config, which) as engine:
             out["homes"] = {kind: engine.placement.home(kind) for kind in engine.placement.sizes}
-            pf = engine.model.prefetcher = _prefetcher(engine, which)
+            pf = engine.model.prefetcher
             if pf is None:
                 return {**out, "note": "every unit pinned at this budget: nothing to prefetch"}
             predicted = routed = hit = 0
-            before = engine.store.stats.snapshot()
+            before = engine.snapshot()
             for ids in prompts:
                 m0 = None
                 for event in engine.stream(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True):
@@ -295,7 +285,7 @@ def prefetch_recall(path: Path, prompts: list[list[int]], budget: str, context: 
                 predicted += pf.metrics.predicted - m0[0]
                 routed += pf.metrics.routed - m0[1]
                 hit += pf.metrics.hit - m0[2]
-            after = engine.store.stats.snapshot()
+            after = engine.snapshot()
             spec = engine.model.spec
             decode_tokens = len(prompts) * (NEW_TOKENS - 1)
             out[which] = {

@@ -69,7 +69,7 @@ def decode(engine: Engine, prompt: list[int], tokens: int) -> dict:
     steps = len(marks) - 1
     return {"ms": (w1 - w0) / steps * 1e3, "cpu_ms": (c1 - c0) / steps * 1e3,
             "stall_ms": stats.get("stall_s_per_token", 0.0) * 1e3,
-            "misses": stats["misses"][engine.store.compute.name] / len(marks)}
+            "misses": stats["misses"][engine.compute_tier] / len(marks)}
 
 
 def main() -> int:

@@ -34,8 +34,7 @@ def routing_trace(model, prompts: list, tokens: int, context: int, **sampling) -
     the planner (`plan --trace`) read."""
     from offload_engine import Engine
 
-    with Engine.open(model, max_context=context) as engine:
-        engine.model.routing_trace = []
+    with Engine.open(model, max_context=context, record_routing=True) as engine:
         for prompt in prompts:
             engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True, **sampling)
         steps = engine.model.routing_trace

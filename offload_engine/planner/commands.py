@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import BudgetError, ConfigError
+from ..modes import DIRECT_IO_MODES, PLAN_SPEC_MODES
 from ..units import format_bytes, parse_bytes
 from . import costs
 from .hardware import HardwareProfile, load_profile, probe, save_profile
@@ -46,7 +47,7 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
     hw.add_argument("--probe", action="store_true", help="measure this machine (quick probe) and plan for it")
     p.add_argument("--context", type=int, default=4096, help="KV cache positions reserved (default 4096)")
     p.add_argument("--weights", choices=sorted(FORMAT_BITS), help="weight format (default: the checkpoint's)")
-    p.add_argument("--spec", default="off", choices=["off", "auto", "mtp", "ngram"], help="speculative decoding")
+    p.add_argument("--spec", default="off", choices=PLAN_SPEC_MODES, help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
     p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
     p.add_argument("--trace", help="routing trace JSON: tools/trace_experts.py record's output, or "
@@ -58,7 +59,7 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
                    help="prefetch recall: share of expert reads issued a layer ahead (default 0, conservative; the "
                         "engine's prefetcher reports its measured recall in the run stats)")
     p.add_argument("--host-compute", action="store_true", help="compute experts resident in RAM on the CPU")
-    p.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--direct-io", default="auto", choices=DIRECT_IO_MODES,
                    help="as `run`: O_DIRECT staging buffers; auto: on when the weights exceed --ram")
     p.add_argument("--position", type=int, help="tokens in the cache at the predicted step (default context/2)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,

@@ -225,4 +225,3 @@ class Prefetcher:
                 "forwards_with_expert_prefetch": on_share, **metrics,
                 "route_ahead": {k: v for k, v in self.ahead_metrics.summary().items() if k != "per_layer"}}
 
-    summary = snapshot  # the old name, still read by api._prefetch_stats (the lead moves it to snapshot())

@@ -15,18 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
 from ..planner.costs import Machine, expert_copied_seconds, expert_host_seconds, host_compute_pays
 from ..probe import (best_time, measure_cpu_gemv_bandwidth, measure_cpu_matmul_flops, measure_gpu_matmul_flops,
                      measure_h2d_bandwidth)
-
-HOST_COMPUTE_MODES = ("off", "on", "auto")
-
-
-def check_host_compute(mode: str) -> str:
-    if mode not in HOST_COMPUTE_MODES:
-        raise ConfigError(f"--host-compute must be one of {', '.join(HOST_COMPUTE_MODES)}, got {mode!r}")
-    return mode
 
 
 # decode's expert calls: few tokens, so one observed time stands for the next (prefill's are FLOP-bound: the
@@ -40,7 +31,7 @@ OBSERVED_MIN = 8
 
 @dataclass
 class HostCompute:
-    mode: str  # "on" | "auto"
+    mode: str  # "on" | "auto" (modes.HOST_COMPUTE_MODES; "off" builds none)
     machine: Machine | None  # auto: the measured rates the rule weighs
     expert_bytes: int  # one expert in the host tier
     expert_params: int
@@ -64,7 +55,7 @@ class HostCompute:
             self.observed_s = seconds if self.observed_s is None else (
                 (1 - OBSERVED_WEIGHT) * self.observed_s + OBSERVED_WEIGHT * seconds)
 
-    def summary(self) -> dict:
+    def snapshot(self) -> dict:
         """For stats: the mode, and for auto the rule's two sides for one token's expert (microseconds) from the
         rates measured at open and the times observed since, so a run shows why experts were or were not computed
         on the host."""

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
+from ..constants import PREFILL_CHUNK
 from ..errors import BudgetError, out_of_memory_as_error
-from ..planner.plan import PREFILL_CHUNK
+from .arch.base import LayerOps
 from .kv_cache import KVCache
 from .layers import causal_mask
-from .host_compute import HostInputs
+from .host_compute import HostCompute, HostInputs
 from .moe import combine, expert_part, routed_experts
 from .weights import Weights, WeightSource, hold, lookup
 
@@ -22,23 +23,34 @@ class CausalLM:
     """forward(tokens, cache) -> float32 logits; the architecture computes, the source supplies weights."""
 
     def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, *, ops: LayerOps | None = None,
+                 prefetcher: Any = None, host_compute: HostCompute | None = None,
+                 routing_trace: list[tuple[int, list[list[int]]]] | None = None):
+        """ops: the architecture's layer ops for this device and dtype (built from the checkpoint when None);
+        prefetcher: a prefetch.Prefetcher reading the next layers' units while one computes, where weights stream
+        (not imported here: prefetch/ builds on the store, which builds on runtime/weights.py); host_compute:
+        which experts the CPU computes where they lie in RAM; routing_trace: a list every MoE layer's routing is
+        appended to, as (layer, [experts per token]) (tools/trace_experts.py)."""
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
         self.device, self.dtype = device, dtype
-        self.ops = checkpoint.arch.ops(checkpoint.args, device, dtype)
+        self.ops = ops if ops is not None else checkpoint.arch.ops(checkpoint.args, device, dtype)
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
-        self.prefill_chunk = prefill_chunk  # a longer causal run goes through this many tokens per _forward
-        self.prefetcher = None  # prefetch.Prefetcher, set by the engine when weights stream
-        self.host_compute = None  # host_compute.HostCompute: experts the CPU computes where they lie in RAM
+        self.prefill_chunk = prefill_chunk  # a longer causal run goes through this many tokens per forward_once
+        self.prefetcher = prefetcher
+        self.host_compute = host_compute
         self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
-        self.routing_trace: list[tuple[int, list[list[int]]]] | None = None  # set to [] to record routing
+        self.routing_trace = routing_trace
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
         self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def snapshot(self) -> dict:
+        """The model's own counters, for stats: time the compute thread spent on host-computed experts."""
+        return {"host_compute_s": self.host_compute_s}
 
     def new_cache(self, max_tokens: int) -> KVCache:
         if self.max_context is not None and max_tokens > self.max_context:
@@ -66,16 +78,17 @@ class CausalLM:
         with out_of_memory_as_error(f"forward pass on {self.device}"):
             if mask is None and positions is None and tokens.shape[0] > self.prefill_chunk:
                 return self._chunked(tokens, cache, last_only, return_hidden)
-            return self._forward(tokens, cache, positions, mask, last_only, return_hidden)
+            return self.forward_once(tokens, cache, positions, mask, last_only, return_hidden)
 
     def _chunked(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, return_hidden: bool
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """forward() one prefill_chunk at a time: the rows it would return, the cache advanced by all of them, or
+        """forward_once() one prefill_chunk at a time: the rows it would return, the cache advanced by all of them, or
         on a failure by none (the chunks that went through are trimmed off where the cache can rewind)."""
         start, outs = cache.length, []
         try:
             for at in range(0, tokens.shape[0], self.prefill_chunk):
-                out = self._forward(tokens[at:at + self.prefill_chunk], cache, None, None, last_only, return_hidden)
+                out = self.forward_once(tokens[at:at + self.prefill_chunk], cache, None, None, last_only,
+                                        return_hidden)
                 outs.append(out if return_hidden else (out, None))
         except BaseException as failure:
             try:
@@ -88,9 +101,11 @@ class CausalLM:
         logits = torch.cat([rows for rows, _ in outs])
         return (logits, torch.cat([x for _, x in outs])) if return_hidden else logits
 
-    def _forward(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None,
-                 mask: torch.Tensor | None, last_only: bool, return_hidden: bool
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward_once(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None,
+                     mask: torch.Tensor | None, last_only: bool, return_hidden: bool
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One pass over all of `tokens`, never chunked: what forward() runs for a short input, and for each chunk
+        of a long one (the seam where tests inject a fault into one chunk)."""
         tokens = tokens.to(self.device)
         T = tokens.shape[0]
         if positions is None:
@@ -108,7 +123,7 @@ class CausalLM:
                     prefetcher.after_attention(layer, x)
                 h = ops.post_norm(layer, w, x)
                 if ops.is_moe(layer):
-                    x = x + self._moe(layer, w, h, self._route_ahead(layer, x))
+                    x = x + self.moe(layer, w, h, self._route_ahead(layer, x))
                 else:
                     x = x + ops.dense_mlp(layer, w, h)
                 if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
@@ -122,15 +137,18 @@ class CausalLM:
         cache.advance(T)
         return (logits, x) if return_hidden else logits
 
-    def _moe(self, layer: int, w: Weights, h: torch.Tensor,
-             ahead: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """ahead: given this layer's output so far (the experts computed, the shared experts), starts the next
-        layers' reads (see _route_ahead); called when the layer would otherwise wait for expert reads."""
+    def moe(self, layer: int, w: Weights, h: torch.Tensor, ahead: Callable[[torch.Tensor], None] | None = None,
+            *, trunk: bool = True) -> torch.Tensor:
+        """A MoE feed-forward: route h, compute the routed experts (resident ones first, the rest as their reads
+        land) and the shared experts. ahead: given this layer's output so far (the experts computed, the shared
+        experts), starts the next layers' reads (see _route_ahead); called when the layer would otherwise wait for
+        expert reads. trunk=False (an MTP layer, runtime/mtp.py): its routing is neither recorded nor shown to the
+        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device."""
         indices, weights = self.ops.route(layer, w, h)
         experts = routed_experts(indices, weights)
-        if self.routing_trace is not None:
+        if trunk and self.routing_trace is not None:
             self.routing_trace.append((layer, indices.tolist()))
-        if self.prefetcher is not None:
+        if trunk and self.prefetcher is not None:
             self.prefetcher.routed(layer, experts)
         keys = [UnitKey(layer, "expert", e) for e in experts]
         parts = {}
@@ -144,7 +162,7 @@ class CausalLM:
 
         # resident experts first, the rest as their reads land
         wait_work = None if ahead is None else lambda: ahead(output())
-        host = self.host_compute
+        host = self.host_compute if trunk else None
         if host is not None:
             tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
             if not any(host.wants(n) for n in set(tokens.values())):

@@ -47,7 +47,6 @@ from ..checkpoint.naming import UnitKey
 from ..errors import CheckpointFormatError
 from .kv_cache import KVCache
 from .layers import causal_mask
-from .moe import combine, expert_part, routed_experts
 from .weights import hold, lookup
 
 
@@ -156,14 +155,4 @@ class MtpHead:
     def _moe(self, layer: int, w, h: torch.Tensor) -> torch.Tensor:
         if layer not in self.moe_layers:
             return self.ops.dense_mlp(layer, w, h)
-        indices, weights = self.ops.route(layer, w, h)
-        parts = {}
-        keys = [UnitKey(layer, "expert", e) for e in routed_experts(indices, weights)]
-        for key, ew in self.model.source.acquire(keys):
-            try:
-                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
-            finally:
-                self.model.source.release([key])
-        out = combine(h, parts)
-        shared = self.ops.shared_experts(layer, w, h)
-        return out if shared is None else out + shared
+        return self.model.moe(layer, w, h, trunk=False)

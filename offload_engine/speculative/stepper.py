@@ -21,12 +21,12 @@ import torch
 from ..errors import ConfigError
 from ..generate.decoder import PlainStepper
 from ..generate.sampling import Sampler
+from ..modes import SPEC_MODES
 from .chooser import CostModel, DraftChoice, SpecStats
 from .drafters import DraftBudget, Drafter, TargetState
 from .tree import DraftTree, tree_inputs
 from .verifier import verify
 
-SPEC_MODES = ("off", "auto", "ngram", "mtp", "draft", "self")
 MAX_DEPTH, MAX_WIDTH = 8, 4
 
 

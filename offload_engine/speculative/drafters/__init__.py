@@ -52,6 +52,11 @@ class TargetState:
     _chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list, repr=False)
 
     @property
+    def chunk_count(self) -> int:
+        """Chunks the hidden rows are held in: at most MAX_CHUNKS (more are coalesced into one)."""
+        return len(self._chunks)
+
+    @property
     def hidden_start(self) -> int:
         return self._chunks[0][0] if self._chunks else 0
 

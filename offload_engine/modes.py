@@ -1,0 +1,13 @@
+"""The values each mode option accepts, one tuple per option: the code that validates an option and the argparse
+`choices` of its flag both import it from here. A leaf module (it imports nothing), so every layer may use it.
+The cache eviction policies are listed with their implementations (store/policy.py POLICIES)."""
+from __future__ import annotations
+
+# --spec: speculative decoding (speculative/stepper.py check_spec)
+SPEC_MODES = ("off", "auto", "ngram", "mtp", "draft", "self")
+# plan --spec: the modes the planner's cost model predicts (planner/plan.py)
+PLAN_SPEC_MODES = ("off", "auto", "mtp", "ngram")
+# --host-compute: experts the CPU computes where they lie in RAM (config.EngineConfig)
+HOST_COMPUTE_MODES = ("off", "on", "auto")
+# --direct-io: O_DIRECT reads; auto: on when the weights exceed the host budget (config.EngineConfig)
+DIRECT_IO_MODES = ("auto", "on", "off")
