@@ -153,8 +153,7 @@ def _compressed_tensors(name: str, w: torch.Tensor, quant: str, opts: QuantOptio
     if zero is not None:
         state["weight_zero_point"] = zero
     packed = PackedQuantizationCompressor.compress(state, scheme)
-    prefix = name.removesuffix("weight")
-    return {prefix + k: v for k, v in packed.items()}
+    return {name + k.removeprefix("weight"): v for k, v in packed.items()}  # x.weight_packed / fused x_packed
 
 
 def _to_int32(x: torch.Tensor) -> torch.Tensor:
