@@ -64,16 +64,18 @@ def ref_awq(qweight, qzeros, scales, group: int) -> torch.Tensor:
 
 def ref_compressed_tensors(parts: dict, config: dict) -> torch.Tensor:
     """compressed-tensors' own decompressor (scales upcast to fp32 first: the reference is the exact value)."""
-    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors import NaiveQuantizationCompressor, PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
     group = next(iter(config["config_groups"].values()))
     scheme = QuantizationScheme.model_validate({k: group[k] for k in ("targets", "weights")})
-    if parts["weight_packed"].dim() == 3:  # fused experts: one expert at a time
+    main = "weight_packed" if "weight_packed" in parts else "weight"
+    if parts[main].dim() == 3:  # fused experts: one expert at a time
         return torch.stack([ref_compressed_tensors({k: v[e] for k, v in parts.items()}, config)
-                            for e in range(parts["weight_packed"].shape[0])])
+                            for e in range(parts[main].shape[0])])
     state = dict(parts, weight_scale=parts["weight_scale"].float())
-    return PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+    compressor = PackedQuantizationCompressor if main == "weight_packed" else NaiveQuantizationCompressor
+    return compressor.decompress(state, scheme)["weight"].float()
 
 
 def ref_mxfp4(blocks, scales) -> torch.Tensor:
@@ -105,11 +107,14 @@ def dequantized_folder(qpath: Path, out: Path) -> Path:
             parts = {"weight" + s: tensors[m + s] for s in ("_packed", "_scale", "_shape", "_zero_point")
                      if m + s in tensors}
             plain[m] = ref_compressed_tensors(parts, qc)
+        elif method == "compressed-tensors" and name + "_scale" in tensors:  # int- / float-quantized
+            parts = {"weight" + s: tensors[name + s] for s in ("", "_scale", "_zero_point") if name + s in tensors}
+            plain[name] = ref_compressed_tensors(parts, qc)
         elif name.endswith(".qweight"):
             m = name.removesuffix(".qweight")
             if method == "gptq":
-                plain[m + ".weight"] = ref_gptq(t, tensors[m + ".qzeros"], tensors[m + ".scales"], tensors[m + ".g_idx"],
-                                                qc["bits"])
+                plain[m + ".weight"] = ref_gptq(t, tensors[m + ".qzeros"], tensors[m + ".scales"],
+                                                tensors[m + ".g_idx"], qc["bits"])
             else:
                 plain[m + ".weight"] = ref_awq(t, tensors[m + ".qzeros"], tensors[m + ".scales"], qc["group_size"])
         elif name.endswith("_blocks"):
@@ -154,6 +159,9 @@ CASES = [
     ("llama", "ct-int4", {}), ("qwen3_moe", "ct-int4", {}), ("qwen3_5_moe_text", "ct-int4", {}),
     ("llama", "ct-int4", {"symmetric": False}), ("llama", "ct-int4", {"strategy": "channel"}),
     ("qwen3_moe", "ct-int8", {}), ("llama", "ct-int8", {"symmetric": False}),
+    ("llama", "ct-int8", {"ct_format": "int-quantized", "symmetric": False}), ("qwen3_moe", "ct-fp8", {}),
+    ("llama", "ct-fp8", {"strategy": "block", "block": 16}),
+    ("deepseek_v3", "ct-fp8", {"strategy": "block", "block": 16}),
     ("llama", "gptq", {}), ("qwen3_moe", "gptq", {"desc_act": True}), ("llama", "gptq", {"bits": 8}),
     ("llama", "gptq", {"group_size": -1, "desc_act": True}),
     ("llama", "awq", {}), ("qwen3_moe", "awq", {}),
@@ -161,7 +169,7 @@ CASES = [
 
 
 def _options(quant: str, extra: dict) -> QuantOptions:
-    return QuantOptions(block=16, **extra) if quant == "fp8-block" else QuantOptions(**extra)
+    return QuantOptions(**{"block": 16, **extra}) if quant == "fp8-block" else QuantOptions(**extra)
 
 
 @pytest.mark.parametrize("arch,quant,extra", CASES, ids=lambda v: str(v))

@@ -5,7 +5,9 @@ config.json's `quantization_config`. MTP layers are quantized like the trunk, as
 
   fp8-block  DeepSeek-V3 / Kimi K2: float8_e4m3fn `*.weight` + float32 `*.weight_scale_inv` per block (W = q * s)
   ct-int4    compressed-tensors pack-quantized int4 group (Kimi K2 Thinking), written by the library's compressor
-  ct-int8    compressed-tensors pack-quantized int8 channel (llm-compressor's W8A16), likewise
+  ct-int8    compressed-tensors pack-quantized int8 channel (llm-compressor's W8A16), likewise; with
+             QuantOptions(ct_format="int-quantized") the int8 values unpacked (W8A8's format)
+  ct-fp8     compressed-tensors float-quantized fp8, channel (FP8_DYNAMIC) or block (FP8_BLOCK) strategy
   gptq       qweight / qzeros / scales / g_idx, 4 or 8 bits, GPTQ v1 zeros (stored minus one), optional act-order
   awq        AWQ GEMM: qweight [in, out/8] in nibble order 0,2,4,6,1,3,5,7, qzeros, scales
   mxfp4      gpt-oss: fused experts only, `*_blocks` [E, rows, cols/32, 16] + e8m0 `*_scales` [E, rows, cols/32]
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-QUANTS = ("fp8-block", "ct-int4", "ct-int8", "gptq", "awq", "mxfp4")
+QUANTS = ("fp8-block", "ct-int4", "ct-int8", "ct-fp8", "gptq", "awq", "mxfp4")
 _KEEP = re.compile(r"(embed_tokens|lm_head|shared_head\.head|norm|mlp\.gate$|shared_expert_gate$|visual\.)")
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8k + AWQ_ORDER[i]
@@ -35,7 +37,8 @@ class QuantOptions:
     block: int = 128  # fp8-block weight_block_size (both dims)
     group_size: int = 32  # ct-int4 / gptq / awq group (gptq: -1 for one group)
     symmetric: bool = True  # ct-int4 / ct-int8
-    strategy: str | None = None  # ct: "group" (int4 default) or "channel" (int8 default)
+    strategy: str | None = None  # ct: "group" (int4 default), "channel" (int8 / fp8 default), "block" (fp8)
+    ct_format: str = "pack-quantized"  # ct-int4 / ct-int8: or "int-quantized" (int8 values, one per byte)
     bits: int = 4  # gptq
     desc_act: bool = False  # gptq act-order: a random permutation of the groups (g_idx)
     seed: int = 0
@@ -79,7 +82,8 @@ def quant_config(quant: str, opts: QuantOptions) -> dict:
         from compressed_tensors.quantization import QuantizationConfig
 
         ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
-        config = QuantizationConfig(config_groups={"group_0": ct_scheme(quant, opts)}, format="pack-quantized",
+        fmt = "float-quantized" if quant == "ct-fp8" else opts.ct_format
+        config = QuantizationConfig(config_groups={"group_0": ct_scheme(quant, opts)}, format=fmt,
                                     quantization_status="compressed", ignore=ignore)
         return config.model_dump(mode="json")
     if quant == "gptq":
@@ -97,8 +101,12 @@ def ct_scheme(quant: str, opts: QuantOptions):
 
     bits = 4 if quant == "ct-int4" else 8
     strategy = opts.strategy or ("group" if bits == 4 else "channel")
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=opts.symmetric, strategy=strategy,
-                            group_size=opts.group_size if strategy == "group" else None)
+    if quant == "ct-fp8":
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                                block_structure=[opts.block, opts.block] if strategy == "block" else None)
+    else:
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=opts.symmetric, strategy=strategy,
+                                group_size=opts.group_size if strategy == "group" else None)
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
@@ -136,13 +144,25 @@ def _fp8_block(name: str, w: torch.Tensor, b: int) -> dict:
 
 
 def _compressed_tensors(name: str, w: torch.Tensor, quant: str, opts: QuantOptions) -> dict:
-    """Scales from the weight's range, then the library's own compressor packs (and, asymmetric, the zeros)."""
-    from compressed_tensors.compressors import PackedQuantizationCompressor
+    """Scales from the weight's range, then the library's own compressor quantizes and packs (and, asymmetric,
+    the zeros)."""
+    from compressed_tensors.compressors import (FloatQuantizationCompressor, IntQuantizationCompressor,
+                                                PackedQuantizationCompressor)
 
     scheme = ct_scheme(quant, opts)
     a = scheme.weights
-    qmax, qmin = (1 << (a.num_bits - 1)) - 1, -(1 << (a.num_bits - 1))
-    groups = w.view(w.shape[0], -1, a.group_size) if a.strategy == "group" else w.view(w.shape[0], 1, -1)
+    if a.type == "float":
+        qmax, qmin = 448.0, -448.0  # float8_e4m3fn's range
+    else:
+        qmax, qmin = (1 << (a.num_bits - 1)) - 1, -(1 << (a.num_bits - 1))
+    if a.strategy == "block":
+        b = opts.block
+        rows, cols = -(-w.shape[0] // b), -(-w.shape[1] // b)
+        padded = torch.zeros(rows * b, cols * b)
+        padded[:w.shape[0], :w.shape[1]] = w
+        groups = padded.view(rows, b, cols, b).transpose(1, 2).reshape(rows, cols, b * b)
+    else:
+        groups = w.view(w.shape[0], -1, a.group_size) if a.strategy == "group" else w.view(w.shape[0], 1, -1)
     if a.symmetric:
         scale, zero = groups.abs().amax(-1).clamp(min=1e-8) / qmax, None
     else:
@@ -152,7 +172,9 @@ def _compressed_tensors(name: str, w: torch.Tensor, quant: str, opts: QuantOptio
     state = {"weight": w, "weight_scale": scale}
     if zero is not None:
         state["weight_zero_point"] = zero
-    packed = PackedQuantizationCompressor.compress(state, scheme)
+    compressor = {"float": FloatQuantizationCompressor, "int-quantized": IntQuantizationCompressor}.get(
+        a.type if a.type == "float" else opts.ct_format, PackedQuantizationCompressor)
+    packed = compressor.compress(state, scheme)
     return {name + k.removeprefix("weight"): v for k, v in packed.items()}  # x.weight_packed / fused x_packed
 
 
