@@ -191,3 +191,26 @@ def test_quantized_at_a_quarter_budget(checkpoint_factory, tmp_path, quant):
     qpath = checkpoint_factory("qwen3_moe", "offload", quant=quant, fused_experts=quant == "mxfp4",
                                quant_options=_options(quant, {}))
     check_against(qpath, dequantized_folder(qpath, tmp_path / "ref"), budgets=("25%",))
+
+
+@pytest.mark.parametrize("quant", ["fp8-block", "ct-int4", "gptq", "mxfp4"])
+def test_units_hold_the_quantized_bytes_as_stored(checkpoint_factory, quant):
+    """The schema groups each weight with its scales in its unit: a unit's blob is the bytes on disk (plus alignment
+    padding), a quarter to a half of the fp32 unit, and every tensor of the folder belongs to a unit."""
+    from offload_engine.checkpoint.model import open_model
+
+    fused = quant == "mxfp4"
+    plain = open_model(checkpoint_factory("qwen3_moe", fused_experts=fused))
+    ck = open_model(checkpoint_factory("qwen3_moe", fused_experts=fused, quant=quant,
+                                       quant_options=_options(quant, {})))
+    assert ck.formats and not ck.unused_tensors
+    expert = next(k for k in ck.layouts if k.kind == "expert")
+    stored = sum(s.nbytes for s in ck.layouts[expert].slices)
+    assert stored <= ck.unit_bytes(expert) < stored + 64
+    assert ck.unit_bytes(expert) < plain.unit_bytes(expert) / 2
+
+
+def test_bf16_compute_runs_on_dequantized_scratch(checkpoint_factory):
+    qpath = checkpoint_factory("qwen3_moe", quant="ct-int4", quant_options=_options("ct-int4", {}))
+    with Engine.open(qpath, dtype="bfloat16") as engine:
+        assert torch.isfinite(engine.logits([1, 2, 3, 4])).all()
