@@ -33,6 +33,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+try:
+    from tools.quant_writers import QUANTS, QuantOptions, quantize_folder
+except ModuleNotFoundError:  # run as a script: tools/ is on sys.path, the repo root may not be
+    from quant_writers import QUANTS, QuantOptions, quantize_folder  # type: ignore[no-redef]
+
 ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next",
          "qwen3_5_moe_text")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
@@ -332,8 +337,10 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
                     max_shard_size: str | int | None = None, fused_experts: bool | None = None,
-                    force: bool = False, mtp: int | None = None) -> Path:
-    """fused_experts: None writes experts as the arch's releases do (fused for qwen3_5_moe, per expert otherwise).
+                    force: bool = False, mtp: int | None = None, quant: str | None = None,
+                    quant_options: QuantOptions = QuantOptions()) -> Path:
+    """quant: one of tools/quant_writers.QUANTS, written from the checkpoint made (MTP layers included).
+    fused_experts: None writes experts as the arch's releases do (fused for qwen3_5_moe, per expert otherwise).
     mtp: MTP layers, in the arch's released naming (deepseek_v3: model.layers.{L + i}.*; hybrids: mtp.*, and
     config.json's mtp_num_hidden_layers); None: as the releases (one for hybrids, none for deepseek_v3)."""
     if arch not in ARCHS + VLM_ARCHS:
@@ -373,6 +380,8 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
         model.save_pretrained(tmp, max_shard_size=max_shard_size or p.shard, save_original_format=not fused_experts,
                               **({"state_dict": {**model.state_dict(), **extra}} if extra else {}))
         write_tokenizer(tok, tmp, p.max_pos)
+        if quant is not None:
+            quantize_folder(tmp, quant, quant_options)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -402,11 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp", type=int, default=None, metavar="N",
                     help="N multi-token-prediction layers in the arch's released naming (deepseek_v3, qwen3_next, "
                          "qwen3_5_moe[_text]; default: as the releases, 1 for the Qwen hybrids, 0 for deepseek_v3)")
+    ap.add_argument("--quant", choices=QUANTS, default=None, help="write this quantized format (release names)")
+    ap.add_argument("--quant-block", type=int, default=128, help="fp8-block weight_block_size (default 128)")
+    ap.add_argument("--quant-group", type=int, default=32, help="ct-int4 / gptq / awq group size (default 32)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     a = ap.parse_args(argv)
     try:
         make_checkpoint(a.arch, a.preset, a.out, seed=a.seed, dtype=a.dtype, max_shard_size=a.max_shard_size,
-                        fused_experts=a.fused_experts, force=a.force, mtp=a.mtp)
+                        fused_experts=a.fused_experts, force=a.force, mtp=a.mtp, quant=a.quant,
+                        quant_options=QuantOptions(block=a.quant_block, group_size=a.quant_group))
     except (FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .formats import check_component_data, needs_data_check
 from .index import DTYPES, TensorRecord
 from .naming import TensorSpec, UnitKey
 
@@ -25,6 +26,7 @@ class TensorSlice:
     blob_offset: int
     dtype: str
     shape: tuple[int, ...]
+    tensor: str = ""  # the checkpoint's name for it (error messages)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,13 @@ class UnitLayout:
         for s in self.slices:
             raw = blob[s.blob_offset:s.blob_offset + s.nbytes]
             out[s.local] = raw.view(DTYPES[s.dtype][1]).view(s.shape)
+        if self._data_checks:  # quantized weights: what only the data can say, checked where the unit lands
+            check_component_data(self._data_checks, out)
         return out
+
+    @cached_property
+    def _data_checks(self) -> tuple[TensorSlice, ...]:
+        return tuple(s for s in self.slices if needs_data_check(s.local))
 
     def read_ranges(self) -> tuple[ReadRange, ...]:
         """Byte ranges to read, adjacent ones merged (same file, contiguous on disk and in the blob)."""
@@ -89,12 +97,12 @@ def build_layout(key: UnitKey, specs: dict[str, TensorSpec], records: dict[str, 
         if spec.index is not None:  # one expert's slice of a fused [E, ...] tensor
             nbytes = rec.nbytes // rec.shape[0]
             offset = rec.offset + spec.index * nbytes
-        parts.append((rec.file, offset, nbytes, local, rec.dtype, spec.shape))
+        parts.append((rec.file, offset, nbytes, local, rec.dtype, spec.shape, spec.hf_name))
     parts.sort(key=lambda p: (str(p[0]), p[1]))
     slices, pos = [], 0
-    for file, offset, nbytes, local, dtype, shape in parts:
+    for file, offset, nbytes, local, dtype, shape, name in parts:
         align = dtype_align(dtype)
         pos = -(-pos // align) * align
-        slices.append(TensorSlice(local, file, offset, nbytes, pos, dtype, tuple(shape)))
+        slices.append(TensorSlice(local, file, offset, nbytes, pos, dtype, tuple(shape), name))
         pos += nbytes
     return UnitLayout(key, tuple(slices), pos)

@@ -1,6 +1,7 @@
 """open_model: index + config + architecture, validated together before anything is loaded."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -8,12 +9,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import CheckpointFormatError
+from .formats import QuantSpec, WeightFormats, quantize_schema
 from .hf_config import ModelSpec, parse_config
 from .index import FLOAT_DTYPES, TORCH_DTYPE_NAMES, CheckpointIndex
 from .layout import UnitLayout, build_layout
 from .naming import ModelSchema, UnitKey
+from .quant_config import QuantConfig, parse_quant_config
 
-_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+# fused experts, plain or stored quantized (MXFP4 `_blocks`, compressed-tensors `_packed`)
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_packed)?$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -40,6 +44,8 @@ class ModelCheckpoint:
     layouts: dict[UnitKey, UnitLayout]
     fused_experts: bool
     unused_tensors: list[str] = field(default_factory=list)
+    quant: QuantConfig | None = None  # config.json's quantization_config, parsed
+    formats: dict[str, QuantSpec] = field(default_factory=dict)  # quantized weight (checkpoint name) -> format
 
     def unit_bytes(self, key: UnitKey) -> int:
         return self.layouts[key].nbytes
@@ -66,24 +72,24 @@ def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelChe
     if spec.num_layers > len(index.tensors):
         raise CheckpointFormatError(config_path, f"num_hidden_layers={spec.num_layers} but the checkpoint holds only "
                                                  f"{len(index.tensors)} tensors")
-    quant = spec.get("quantization_config")
-    if quant is not None:  # FP8 block scales etc.: loading the raw values would give silently wrong logits
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise CheckpointFormatError(config_path, f"quantized checkpoints (quant_method={method!r}) are not supported "
-                                                 f"yet", hint="use a bf16/fp16/fp32 checkpoint")
+    # the weight format, from config.json (refused by name when unsupported) and the tensor headers
+    quant = parse_quant_config(index.config.get("quantization_config", spec.get("quantization_config")),
+                               config_path)
     args = arch.args(spec)
+    if quant is not None:  # the architecture's MTP schema (added later: runtime/mtp.py) is quantized alike
+        args = dataclasses.replace(args, formats=WeightFormats(quant, index.tensors))
     fused = fused_expert_layout(index.tensors, spec.num_layers)
-    schema = arch.schema(args, fused_experts=fused)
+    schema, formats = quantize_schema(arch.schema(args, fused_experts=fused), quant, index.tensors)
     _check_tensors(index, spec, schema, config_path, allow_cast)
     layouts = {key: build_layout(key, specs, index.tensors) for key, specs in schema.units.items()}
     unused = sorted(set(index.tensors) - schema.hf_names())
-    return ModelCheckpoint(index.root, index, spec, arch, args, schema, layouts, fused, unused)
+    return ModelCheckpoint(index.root, index, spec, arch, args, schema, layouts, fused, unused, quant, formats)
 
 
 def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema, config_path: Path,
                    allow_cast: bool) -> None:
     want_dtype = TORCH_DTYPE_NAMES.get(spec.dtype)
-    quantized = "quantization_config" in spec.raw
+    quantized = "quantization_config" in spec.raw or "quantization_config" in index.config
     dtype_mismatches = []
     for key, specs in schema.units.items():
         for local, ts in specs.items():

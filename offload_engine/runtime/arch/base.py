@@ -15,10 +15,12 @@ from typing import Mapping, Protocol
 import torch
 import torch.nn.functional as F
 
+from ...checkpoint.formats import WeightFormats
 from ...checkpoint.hf_config import ModelSpec
 from ...checkpoint.naming import ModelSchema, TensorSpec, UnitKey
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
+from ..linear import dense, is_quantized, linear
 from ..moe import softmax_topk
 
 Weights = Mapping[str, torch.Tensor]
@@ -65,6 +67,13 @@ class DecoderArgs:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_intermediate_size: int = 0  # Qwen2-MoE shared expert (with a sigmoid gate)
+    formats: WeightFormats | None = None  # a quantized checkpoint's formats (set by open_model)
+
+
+def with_formats(a: DecoderArgs, schema: ModelSchema) -> ModelSchema:
+    """`schema` with the checkpoint's quantized weights replaced by their stored components (MTP schemas, which
+    open_model does not see)."""
+    return schema if a.formats is None else a.formats.apply(schema)
 
 
 def sparse_layers(spec: ModelSpec, step: int = 1, dense_only: tuple[int, ...] = ()) -> frozenset[int]:
@@ -105,11 +114,17 @@ def add_experts(schema: ModelSchema, layer: int, hf_layer: str, moe_prefix: str,
             add_gated_mlp(schema, key, f"{hf_layer}{moe_prefix}.experts.{e}.", "", inter, hidden, names)
 
 
+def mlp(w: Weights, x: torch.Tensor, prefix: str, act) -> torch.Tensor:
+    """The gated MLP of weights `<prefix>gate`, `<prefix>up`, `<prefix>down` (any stored format)."""
+    return gated_mlp(x, dense(w, prefix + "gate", x.dtype), dense(w, prefix + "up", x.dtype),
+                     dense(w, prefix + "down", x.dtype), act)
+
+
 def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
-    if "gate_up" in w:
-        gate, up = w["gate_up"].chunk(2, dim=0)
-        return gated_mlp(x, gate, up, w["down"], act)
-    return gated_mlp(x, w["gate"], w["up"], w["down"], act)
+    if "gate_up" in w or is_quantized(w, "gate_up"):
+        gate, up = dense(w, "gate_up", x.dtype).chunk(2, dim=0)
+        return gated_mlp(x, gate, up, dense(w, "down", x.dtype), act)
+    return mlp(w, x, "", act)
 
 
 class StandardDecoder:
@@ -197,7 +212,7 @@ class StandardOps:
 
     def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
         """The head without the final norm (MTP outputs are already normalized)."""
-        return F.linear(x, head["weight"]).float()
+        return linear(x, head, "weight").float()
 
     # multi-token prediction (w: one `mtp` unit). Local names shared by the formats that have MTP layers (DeepSeek:
     # enorm, hnorm, eh_proj, shared_head.norm; Qwen: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm); the
@@ -205,7 +220,7 @@ class StandardOps:
     def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """proj([embed_norm(emb(t_p)); hidden_norm(h_{p-1})])."""
         joined = torch.cat([self.norm(embedded, w["mtp.embed_norm"]), self.norm(hidden, w["mtp.hidden_norm"])], -1)
-        return F.linear(joined, w["mtp.proj"])
+        return linear(joined, w, "mtp.proj")
 
     def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """The block's output after the MTP layer's own norm: what the head scores and the next depth consumes."""
@@ -220,9 +235,9 @@ class StandardOps:
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:
         s, T, D = self.s, x.shape[0], self.s.head_dim
-        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(T, s.num_heads, D)
-        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(T, s.num_kv_heads, D)
-        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(T, s.num_kv_heads, D)
+        q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias").view(T, s.num_heads, D)
+        k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias").view(T, s.num_kv_heads, D)
+        v = linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias").view(T, s.num_kv_heads, D)
         if self.a.qk_norm:
             q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps)
@@ -230,28 +245,28 @@ class StandardOps:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.append(layer, k, v)
         out = attention(q, k_all, v_all, mask, D ** -0.5)
-        return F.linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
 
     # feed-forward
     def is_moe(self, layer: int) -> bool:
         return layer in self.a.moe_layers
 
     def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"], self.act)
+        return mlp(w, x, "mlp.", self.act)
 
     def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, w["router"])
+        logits = linear(x, w, "router")
         return softmax_topk(logits, self.s.num_experts_per_tok, self.a.norm_topk_prob)
 
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """Selection scores [T, E] (higher = more likely routed): what lookahead prefetching ranks by."""
-        return torch.softmax(F.linear(x, w["router"]), dim=-1, dtype=torch.float32)
+        return torch.softmax(linear(x, w, "router"), dim=-1, dtype=torch.float32)
 
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.shared_intermediate_size:
             return None
-        y = gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
-        return torch.sigmoid(F.linear(x, w["shared_gate"])) * y
+        y = mlp(w, x, "shared.", self.act)
+        return torch.sigmoid(linear(x, w, "shared_gate")) * y
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return expert_forward(w, x, self.act)

@@ -18,9 +18,10 @@ from ...checkpoint.hf_config import ModelSpec
 from ...checkpoint.naming import ModelSchema, TensorSpec, UnitKey
 from ...errors import ConfigError
 from ..kv_cache import KVCache
-from ..layers import Rotary, apply_rotary, attention, gated_mlp, rms_norm, yarn_mscale
+from ..layers import Rotary, apply_rotary, attention, rms_norm, yarn_mscale
+from ..linear import dense, linear
 from .base import (DecoderArgs, StandardDecoder, StandardOps, Weights, add_embed_and_head, add_experts,
-                   add_gated_mlp)
+                   add_gated_mlp, mlp, with_formats)
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a_layernorm use the RMSNorm default in both reference codes, not rms_norm_eps
 ATTN = "self_attn."
@@ -168,7 +169,7 @@ class DeepseekV3Decoder(StandardDecoder):
                                        ("mtp.out_norm", "shared_head.norm.weight", (H,))):
                 schema.add(key, local, TensorSpec(p + name, shape))
             _add_block(schema, a, key, layer, bool(s.num_experts), fused_experts)
-        return schema
+        return with_formats(a, schema)
 
     def ops(self, a: DeepseekV3Args, device: torch.device, dtype: torch.dtype) -> "DeepseekV3Ops":
         return DeepseekV3Ops(a, device, dtype)
@@ -200,25 +201,25 @@ class DeepseekV3Ops(StandardOps):
         a, T = self.a, x.shape[0]
         q = self._query(w, x).view(T, self.s.num_heads, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        kv = F.linear(x, w[ATTN + "kv_a_proj_with_mqa.weight"], w.get(ATTN + "kv_a_proj_with_mqa.bias"))
+        kv = linear(x, w, ATTN + "kv_a_proj_with_mqa.weight", ATTN + "kv_a_proj_with_mqa.bias")
         c_kv, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c_kv = rms_norm(c_kv, w[ATTN + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         rope = rotary_interleaved if a.rope_interleave else apply_rotary
         q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None, :], cos, sin)[:, 0]
         c_all, pe_all = cache.append(layer, c_kv, k_pe)
-        kv_b = w[ATTN + "kv_b_proj.weight"]
+        kv_b = dense(w, ATTN + "kv_b_proj.weight", x.dtype)
         if self.absorb if self.absorb is not None else self._absorb_is_cheaper(T):
             out = self._absorbed(q_nope, q_pe, c_all, pe_all, kv_b, mask)
         else:
             out = self._expanded(q_nope, q_pe, c_all, pe_all, kv_b, mask)
-        return F.linear(out, w[ATTN + "o_proj.weight"], w.get(ATTN + "o_proj.bias"))
+        return linear(out, w, ATTN + "o_proj.weight", ATTN + "o_proj.bias")
 
     def _query(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         if self.a.q_lora_rank is None:
-            return F.linear(x, w[ATTN + "q_proj.weight"])
-        q = F.linear(x, w[ATTN + "q_a_proj.weight"], w.get(ATTN + "q_a_proj.bias"))
-        return F.linear(rms_norm(q, w[ATTN + "q_a_layernorm.weight"], LATENT_NORM_EPS), w[ATTN + "q_b_proj.weight"])
+            return linear(x, w, ATTN + "q_proj.weight")
+        q = linear(x, w, ATTN + "q_a_proj.weight", ATTN + "q_a_proj.bias")
+        return linear(rms_norm(q, w[ATTN + "q_a_layernorm.weight"], LATENT_NORM_EPS), w, ATTN + "q_b_proj.weight")
 
     def _absorb_is_cheaper(self, queries: int) -> bool:
         """Per cached position and head: expanding costs r*(n+v) once plus T*(n+p+v); absorbing T*(2r+p)."""
@@ -250,7 +251,7 @@ class DeepseekV3Ops(StandardOps):
     def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores; the correction bias steers selection only; group-limited top-k (noaux_tc)."""
         a, E, k = self.a, self.s.num_experts, self.s.num_experts_per_tok
-        scores = F.linear(x.float(), w["mlp.gate.weight"].float()).sigmoid()
+        scores = F.linear(x.float(), dense(w, "mlp.gate.weight", torch.float32).float()).sigmoid()
         choice = scores + w["mlp.gate.e_score_correction_bias"].float()
         if a.topk_group < a.n_group:  # keep the topk_group groups with the best sum of their top-2 choice scores
             groups = choice.view(-1, a.n_group, E // a.n_group)
@@ -265,13 +266,13 @@ class DeepseekV3Ops(StandardOps):
 
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """Selection scores (sigmoid + correction bias) for lookahead prefetching; group limits ignored."""
-        scores = F.linear(x.float(), w["mlp.gate.weight"].float()).sigmoid()
+        scores = F.linear(x.float(), dense(w, "mlp.gate.weight", torch.float32).float()).sigmoid()
         return scores + w["mlp.gate.e_score_correction_bias"].float()
 
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.n_shared_experts:
             return None
-        return gated_mlp(x, w["shared.gate"], w["shared.up"], w["shared.down"], self.act)
+        return mlp(w, x, "shared.", self.act)
 
 
 ARCH = DeepseekV3Decoder("deepseek_v3", _args)

@@ -1,0 +1,66 @@
+"""The runtime's one seam to weight formats: a unit's linear weight by local name, as a dense matrix.
+
+`dense(w, name, dtype)` returns `w[name]` when the unit holds it as a plain tensor, and otherwise dequantizes it
+from its stored components (checkpoint/formats.py names them `<name>@q:<tag>`, `<name>@scale`, ...) into a
+scratch tensor of the compute dtype on the weights' device. Nothing is cached: the unit's bytes stay quantized
+in every tier (bytes moved = bytes on disk) and the dense copy lives only while the op that asked uses it.
+
+Which path each format takes: dequantize-then-matmul (runtime/dequant.py) for every format on every device.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint.formats import PRIMARY, decode, part_name
+from . import dequant
+
+Weights = Mapping[str, torch.Tensor]
+
+
+def is_quantized(w: Weights, name: str) -> bool:
+    return name not in w and _primary(w, name) is not None
+
+
+def _primary(w: Weights, name: str) -> str | None:
+    prefix = name + PRIMARY
+    for key in w:
+        if key.startswith(prefix):
+            return key
+    return None
+
+
+def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight `name` of unit `w` as a dense [out, in] tensor (dtype: the compute dtype, for quantized
+    weights; plain ones are returned as the source holds them, already in it)."""
+    plain = w.get(name)
+    if plain is not None:
+        return plain
+    key = _primary(w, name)
+    if key is None:
+        raise KeyError(name)
+    q = decode(key[len(name) + len(PRIMARY):])
+    data, scale = w[key], w[part_name(name, "scale")]
+    if dtype is None:
+        dtype = scale.dtype if scale.is_floating_point() else torch.float32
+    if q.kind == "fp8_block":
+        return dequant.fp8_block(data, scale, q, dtype)
+    zero = w.get(part_name(name, "zero"))
+    if q.kind == "ct_pack":
+        return dequant.ct_pack(data, scale, zero, q, dtype)
+    if q.kind == "ct_naive":
+        return dequant.ct_naive(data, scale, zero, q, dtype)
+    if q.kind == "gptq":
+        return dequant.gptq(data, zero, scale, w.get(part_name(name, "g_idx")), q, dtype)
+    if q.kind == "awq":
+        return dequant.awq(data, zero, scale, q, dtype)
+    if q.kind == "mxfp4":
+        return dequant.mxfp4(data, scale, q, dtype)
+    raise ValueError(f"weight {name}: unknown stored format {q.kind!r}")
+
+
+def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
+    """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in."""
+    return F.linear(x, dense(w, name, x.dtype), None if bias is None else w.get(bias))
