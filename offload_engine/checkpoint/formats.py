@@ -292,6 +292,12 @@ def format_summary(found: Mapping[str, QuantSpec]) -> str:
     return ", ".join(f"{k} ({n} weights)" for k, n in sorted(kinds.items())) or "none"
 
 
+def keeps_stored_dtype(local: str) -> bool:
+    """A quantized weight's data, scales and zeros stay as stored in every tier (the store casts plain floating
+    tensors to the compute dtype; fp8 data or fp32 scales cast to bf16 would grow or lose precision)."""
+    return MARK in local
+
+
 def needs_data_check(local: str) -> bool:
     return local.endswith((MARK + "g_idx", MARK + "shape"))
 

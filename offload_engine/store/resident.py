@@ -6,6 +6,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..checkpoint.formats import keeps_stored_dtype
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from .disk import ShardFiles, read_unit
@@ -13,8 +14,10 @@ from .weights import Weights
 
 
 def convert(weights: Weights, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating tensors to the compute dtype on the compute device; integer tensors keep their dtype."""
-    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)).contiguous()
+    """Plain floating tensors to the compute dtype on the compute device; integer tensors and a quantized weight's
+    parts keep their dtype."""
+    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() and not keeps_stored_dtype(k)
+                else v.to(device)).contiguous()
             for k, v in weights.items()}
 
 

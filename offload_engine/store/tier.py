@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint.formats import keeps_stored_dtype
 from ..checkpoint.layout import UnitLayout
 from ..checkpoint.naming import UnitKey
 from ..errors import out_of_memory_as_error
@@ -53,11 +54,12 @@ class Slot:
         return SlotState(self.tier, self.kind, self.index, self.key, self.refs, fut is not None and not fut.done())
 
     def weights(self, layout: UnitLayout, dtype: torch.dtype) -> Weights:
-        """The typed views of `layout`'s unit in this slot, floating ones cast to `dtype`."""
+        """The typed views of `layout`'s unit in this slot, plain floating ones cast to `dtype`."""
         cached = self.views
         if cached is None or cached[0] != (layout.key, self.offset):
             views = layout.views(self.blob[self.offset:])
-            cast = frozenset(k for k, v in views.items() if v.is_floating_point() and v.dtype != dtype)
+            cast = frozenset(k for k, v in views.items()
+                             if v.is_floating_point() and v.dtype != dtype and not keeps_stored_dtype(k))
             cached = self.views = ((layout.key, self.offset), views, cast)
         _, views, cast = cached
         # a copy: callers may rebind entries, never the slot's cached views
