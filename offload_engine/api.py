@@ -31,6 +31,7 @@ from .runtime.mtp import mtp_layer_count
 from .speculative.chooser import SpecStats
 from .speculative.stepper import check_spec, make_stepper
 from .store.store import TieredStore
+from .tokenizer import TOKENIZER_FILES
 
 
 @dataclass
@@ -130,7 +131,8 @@ class Engine:
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ConfigError(f"{self.checkpoint.root}: no tokenizer.json; pass the prompt as token ids")
+                raise ConfigError(f"{self.checkpoint.root}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); pass the "
+                                  f"prompt as token ids")
             if chat:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)

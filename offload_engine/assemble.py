@@ -118,7 +118,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
             raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                               f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
                               f"{checkpoint.arch.name})")
-        tokenizer = Tokenizer(checkpoint.root) if (Path(checkpoint.root) / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer.load_optional(checkpoint.root)
         if speculative.draft_model is not None and mode in ("auto", "draft"):
             draft = _assemble_draft(speculative, config.progress, device, dtype, context)
             check_same_vocabulary(tokenizer, draft.tokenizer, model.vocab_size, draft.model.vocab_size)
