@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
 from .planner.commands import add_plan_parser, add_probe_parser
-from .planner.plan import PREFILL_CHUNK
+from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .store.policy import POLICIES
 from .units import format_bytes
 
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     run.add_argument("--vram", help="device memory budget, same forms as --ram")
-    run.add_argument("--context", type=int, help="KV cache positions reserved in the budget (default 4096)")
+    run.add_argument("--context", type=int,
+                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
     run.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                      help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
                           "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")

@@ -10,7 +10,7 @@ import torch
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from ..errors import BudgetError, out_of_memory_as_error
-from ..planner.plan import PREFILL_CHUNK
+from ..constants import PREFILL_CHUNK
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .host_compute import HostInputs
