@@ -25,7 +25,8 @@ from .interrupts import finish_despite_interrupts, sigint_guarded
 from .errors import ConfigError, EngineBusyError, EngineClosedError, PlanError, out_of_memory_as_error
 from .checkpoint.naming import UnitKey
 from .planner.costs import Machine
-from .planner.plan import PREFILL_CHUNK
+from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
+from .planner.kv import kv_bytes
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
@@ -43,7 +44,6 @@ from .store.store import ReadFn, TieredStore
 from .tokenizer import Tokenizer
 
 
-DEFAULT_CONTEXT = 4096
 # KV entries a draft tree may occupy beyond the committed tokens during one verification pass; reserved (and
 # charged) in every engine so any request may speculate
 SPEC_ROOM = MAX_DEPTH * MAX_WIDTH + 1
@@ -121,11 +121,10 @@ class Engine:
         # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
         resolved = budget.resolve(checkpoint.index.total_bytes)
         context = max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
-        ops = checkpoint.arch.ops(checkpoint.args, dev, compute_dtype)
         itemsize = torch.empty((), dtype=compute_dtype).element_size()
 
         def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-            return plan_for(ck, resolved, dev, _kv_bytes(ck, ops, itemsize, context), direct_io)
+            return plan_for(ck, resolved, dev, _kv_bytes(ck, itemsize, context), direct_io)
 
         placement, use_direct = plan(checkpoint)
         if spec in ("auto", "mtp"):
@@ -318,13 +317,13 @@ class Engine:
         }
 
 
-def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int) -> int:
-    """Every byte of per-sequence state one request may hold: the main model's KV for the context plus a draft
-    tree, its recurrent state with rollback logs, and each MTP layer's own cache (one attention layer's share,
-    for the context, the tree and the MTP chain)."""
+def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int) -> int:
+    """Every byte of per-sequence state one request may hold (the planner's formula): the main model's KV for
+    the context plus a draft tree, its recurrent state with rollback logs, and each MTP layer's own cache (one
+    attention layer's share, for the context, the tree and the MTP chain)."""
     tokens = context + SPEC_ROOM
-    main = tokens * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
-    return main + mtp_layer_count(checkpoint) * (tokens + MAX_DEPTH + 1) * ops.layer_kv_bytes_per_token(itemsize)
+    return kv_bytes(checkpoint.spec, tokens, itemsize, rollback=ROLLBACK, mtp_layers=mtp_layer_count(checkpoint),
+                    mtp_positions=tokens + MAX_DEPTH + 1)
 
 
 def _with_mtp_units(checkpoint: ModelCheckpoint, placement: Placement, use_direct: bool, plan: Any,
