@@ -28,6 +28,7 @@ from .constants import DEFAULT_CONTEXT
 from .errors import ConfigError, PlanError
 from .interrupts import finish_despite_interrupts
 from .planner.costs import Machine
+from .planner.kv import kv_bytes
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
@@ -94,7 +95,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     itemsize = torch.empty((), dtype=dtype).element_size()
 
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-        return plan_for(ck, resolved, device, _kv_bytes(ck, ops, itemsize, context), config.direct_io)
+        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context), config.direct_io)
 
     placement, use_direct = plan(checkpoint)
     if mode in ("auto", "mtp"):
@@ -168,13 +169,13 @@ def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> H
 
 
 # ---- placement with or without the MTP layers ------------------------------------------------------------------
-def _kv_bytes(checkpoint: ModelCheckpoint, ops: Any, itemsize: int, context: int) -> int:
-    """Every byte of per-sequence state one request may hold: the main model's KV for the context plus a draft
-    tree, its recurrent state with rollback logs, and each MTP layer's own cache (one attention layer's share,
-    for the context, the tree and the MTP chain)."""
+def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int) -> int:
+    """Every byte of per-sequence state one request may hold (the planner's formula, planner/kv.py): the main
+    model's KV for the context plus a draft tree, its recurrent state with rollback logs, and each MTP layer's own
+    cache (one attention layer's share, for the context, the tree and the MTP chain)."""
     tokens = context + SPEC_ROOM
-    main = tokens * ops.kv_bytes_per_token(itemsize) + ops.state_bytes(itemsize, rollback=ROLLBACK)
-    return main + mtp_layer_count(checkpoint) * (tokens + MAX_DEPTH + 1) * ops.layer_kv_bytes_per_token(itemsize)
+    return kv_bytes(checkpoint.spec, tokens, itemsize, rollback=ROLLBACK, mtp_layers=mtp_layer_count(checkpoint),
+                    mtp_positions=tokens + MAX_DEPTH + 1)
 
 
 # --spec auto loads MTP layers when they cost at most this share of the cache that streams units (measured on

@@ -20,10 +20,10 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from .constants import PAGE
 from .interrupts import deliver_pending
 
 MiB = 1 << 20
-ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size (4 KiB covers it)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _read_blocks(fd: int, offsets: list[int], block: int, end: int) -> int:
     done = 0
     try:
         for off in offsets:
-            want = min(block, -(-(end - off) // ALIGN) * ALIGN)  # the tail stays aligned: O_DIRECT may over-read
+            want = min(block, -(-(end - off) // PAGE) * PAGE)  # the tail stays aligned: O_DIRECT may over-read
             done += min(os.preadv(fd, [buf[:want]], off), end - off)
     finally:
         buf.release()
@@ -125,8 +125,8 @@ def measure_direct_read_bandwidth(path: str | os.PathLike, nbytes: int = 1 << 30
     measurement leaves nothing behind (`opener` returning None takes that path). The method used is in the result. With repeats > 1 the median run is
     returned: virtual disks vary a lot from one pass to the next, and the median is what reads can sustain."""
     path = Path(path)
-    if block % ALIGN:
-        raise ValueError(f"block must be a multiple of {ALIGN} bytes, got {block}")
+    if block % PAGE:
+        raise ValueError(f"block must be a multiple of {PAGE} bytes, got {block}")
     nbytes = min(nbytes, path.stat().st_size)
     if nbytes <= 0:
         raise ValueError(f"{path}: empty file, nothing to measure")

@@ -17,8 +17,9 @@ from offload_engine.planner import costs
 from offload_engine.planner.commands import calibrate, scale_markdown, scale_rows, what_ifs
 from offload_engine.planner.hardware import (HARDWARE_DIR, HardwareProfile, list_profiles, load_profile, probe,
                                              save_profile)
-from offload_engine.planner.placement import KindSize, Placement, plan_placement
-from offload_engine.planner.plan import PlanOptions, WeightFormat, kind_sizes, load_model_spec, model_shape, plan
+from offload_engine.planner.formats import WeightFormat
+from offload_engine.planner.placement import KindSize, Placement, kind_sizes, plan_placement
+from offload_engine.planner.plan import PlanOptions, load_model_spec, model_shape, plan
 from offload_engine.planner.report import memory_table, plan_json, plan_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,13 +150,12 @@ def test_planned_sizes_and_placement_equal_the_store(checkpoint_factory, arch):
     import torch
 
     from offload_engine.checkpoint.model import open_model
-    from offload_engine.store.build import kind_sizes as store_kind_sizes
     from offload_engine.store.build import plan_for
 
     ck = open_model(checkpoint_factory(arch))
     shape = model_shape(load_model_spec(str(ck.root)))
     units = shape.bytes_of(WeightFormat.of(shape.spec, None), False)
-    assert kind_sizes(units) == store_kind_sizes(ck)
+    assert kind_sizes(units) == kind_sizes({key: layout.nbytes for key, layout in ck.layouts.items()})
     assert sum(units.values()) == ck.total_bytes
     ram = int(ck.total_bytes * 0.6) + (1 << 20)  # + the O_DIRECT bounce buffers of a tiny model
     p = plan(shape, CPU, PlanOptions(ram=ram, context=64, direct_io="on"))
@@ -174,7 +174,7 @@ def test_plan_refuses_infeasible_budget_with_numbers():
 
 
 def test_cuda_plan_reserves_host_staging_for_every_kind(qwen):
-    from offload_engine.store.build import READER_THREADS
+    from offload_engine.constants import READER_THREADS
 
     with pytest.raises(BudgetError) as e:
         plan(qwen, GPU, PlanOptions(vram=12 << 30, ram=8 << 20))  # the 594 MiB head's staging slot alone
@@ -191,7 +191,8 @@ def test_cuda_plan_reserves_host_staging_for_every_kind(qwen):
 
 
 def test_activations_and_cuda_reserve_are_charged(qwen):
-    from offload_engine.planner.plan import DEVICE_RESERVE, HOST_RESERVE, PREFILL_CHUNK, activation_bytes
+    from offload_engine.constants import PREFILL_CHUNK
+    from offload_engine.planner.plan import DEVICE_RESERVE, HOST_RESERVE, activation_bytes
 
     prof = load_profile("rtx4070-12gb")
     p = plan(qwen, prof, PlanOptions(vram=12 << 30, ram=48 << 30, context=4096))

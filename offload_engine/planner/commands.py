@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..errors import BudgetError, ConfigError
 from ..modes import DIRECT_IO_MODES, PLAN_SPEC_MODES
 from ..units import format_bytes, parse_bytes
 from . import costs
+from .formats import FORMAT_BITS, WeightFormat, unit_bytes
 from .hardware import HardwareProfile, load_profile, probe, save_profile
-from .plan import (FORMAT_BITS, PREFILL_CHUNK, ModelShape, Plan, PlanOptions, WeightFormat, load_model_spec,
-                   model_shape, plan, unit_bytes)
+from .plan import ModelShape, Plan, PlanOptions, load_model_spec, model_shape, plan
 from .report import plan_json, plan_text
 
 DEFAULT_PROFILE = "rtx4070-12gb"
@@ -45,7 +46,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
     hw = p.add_mutually_exclusive_group()
     hw.add_argument("--hardware", help=f"profile NAME in configs/hardware or a JSON file (default {DEFAULT_PROFILE})")
     hw.add_argument("--probe", action="store_true", help="measure this machine (quick probe) and plan for it")
-    p.add_argument("--context", type=int, default=4096, help="KV cache positions reserved (default 4096)")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                   help=f"KV cache positions reserved (default {DEFAULT_CONTEXT})")
     p.add_argument("--weights", choices=sorted(FORMAT_BITS), help="weight format (default: the checkpoint's)")
     p.add_argument("--spec", default="off", choices=PLAN_SPEC_MODES, help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
@@ -370,7 +372,7 @@ SCALE_WEIGHTS = ("bf16", "fp8", "int4")
 
 
 def scale_rows(models: Sequence[str] = SCALE_MODELS, profiles: Sequence[str] = SCALE_PROFILES,
-               weights: Sequence[str] = SCALE_WEIGHTS, context: int = 4096) -> list[dict[str, Any]]:
+               weights: Sequence[str] = SCALE_WEIGHTS, context: int = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
     rows = []
     for name in models:
         shape = model_shape(load_model_spec(name))

@@ -11,11 +11,11 @@ A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight 
    on the CPU engine with a model whose weights are negligible). Attention also reads the KV cache.
 A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
-   nvme_latency_us / READERS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O for units that are not
-   one contiguous range in their shard (dense layers; fused [E, ...] experts): the reader copies each O_DIRECT
-   chunk from its aligned bounce buffer into the slot. A one-range unit (an expert of a per-expert checkpoint)
-   is read straight into its slot.
-A3 The store's reader pool (READERS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
+   nvme_latency_us / READER_THREADS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O for units that
+   are not one contiguous range in their shard (dense layers; fused [E, ...] experts): the reader copies each
+   O_DIRECT chunk from its aligned bounce buffer into the slot. A one-range unit (an expert of a per-expert
+   checkpoint) is read straight into its slot.
+A3 The store's reader pool (READER_THREADS threads) pipelines the links: link time = max(NVMe, PCIe), not the sum.
 A4 Overlap: reads of missing experts start when the layer's routing is known and overlap only that layer's
    compute of its other experts ("resident first"), one read after another on the link. A layer that misses n
    of its u experts (n as counted replaying a routing trace through the caches when one is given, else
@@ -44,18 +44,17 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
+from ..constants import READER_THREADS
 from .hardware import HardwareProfile
 
 DEFAULT_ALPHA = 0.4
 DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router lookahead: 0.886 on Qwen3-30B-A3B)
-READERS = 4  # store.build.READER_THREADS
 # engine bookkeeping per unit in small-op equivalents: fitted to the resident CPU engine on the bench checkpoint
 # (quiet machine, 1 thread, 2026-12-02: 51 ms/token, of which 31 ms GEMV at the probed 14.5 GB/s, 2 ms of the
 # units' own ops; the rest over 110 units at cpu_op_us 1.9 us: ~80; a torch profile counts ~100 aten calls per
 # unit, views and slices included). The offload preset (hidden 64) gave 35-65.
 ENGINE_UNIT_OPS = 80.0
 OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
-LINKS = ("PCIe", "NVMe")
 
 ASSUMPTIONS = [" ".join(item.split()) for item in re.split(r"\n(?=A\d )", __doc__.split("(ASSUMPTIONS):")[1].strip())]
 
@@ -134,11 +133,16 @@ def scan_hit_fraction(slots: int, count: int) -> float:
     return 1.0 if slots >= count else max(slots - 1, 0) / count
 
 
+def union_share(n_experts: int, k: int, tokens: float) -> float:
+    """A7: the share of a layer's experts that `tokens` independently routed tokens touch (k of n each)."""
+    return 1.0 - (1.0 - k / n_experts) ** tokens
+
+
 def expert_union(n_experts: int, k: int, tokens: float) -> float:
     """A7: expected distinct experts per layer touched by `tokens` independently routed tokens."""
     if n_experts <= 0 or k <= 0:
         return 0.0
-    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+    return n_experts * union_share(n_experts, k, tokens)
 
 
 def accepted_per_step(drafts: int, accept: float) -> float:
@@ -216,7 +220,7 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
 
     def link_s(side: str) -> tuple[float, float]:
         pcie = h2d[side] / (m.h2d_gbps * 1e9) if m.h2d_gbps else 0.0
-        nvme = disk[side] / (m.nvme_gbps * 1e9) + reads[side] * m.nvme_latency_us * 1e-6 / READERS
+        nvme = disk[side] / (m.nvme_gbps * 1e9) + reads[side] * m.nvme_latency_us * 1e-6 / READER_THREADS
         if bounce_gbps and side in bounced:
             nvme += disk[side] / (bounce_gbps * 1e9)
         return pcie, nvme

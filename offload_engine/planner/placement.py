@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 from ..checkpoint.naming import UnitKey
-from ..errors import BudgetError
+from ..constants import BOUNCE_BYTES, DIRECT_SLACK, PAGE, READER_THREADS
+from ..errors import BudgetError, ConfigError
 from ..units import format_bytes
 
 ALWAYS_NEEDED = ("dense", "head", "embed", "mtp")  # pinned first, in this order, when a whole kind fits
@@ -52,7 +53,7 @@ SLOT_ALIGN = 64  # slot sizes are multiples of this: slots sliced from one regio
 # slot starts a page: a weight row that straddles pages makes the CPU's prefetchers, which stop at page
 # boundaries, restart mid-row (an fp32 expert of 4 KiB rows: 266-271 us per decode call vs 249-251; store.disk's
 # read_unit_direct has the figures)
-PAGE_SLOT_FROM, PAGE = 1 << 20, 4096
+PAGE_SLOT_FROM = 1 << 20
 
 
 def kind_sizes(units: Mapping[UnitKey, int], slack: int = 0) -> dict[str, KindSize]:
@@ -176,12 +177,55 @@ class Placement:
         return "\n".join(lines)
 
 
+DIRECT_IO = ("auto", "on", "off")  # --direct-io
+MIN_BOUNCE = 64 * 1024
+STAGING_SHARE = 8  # the O_DIRECT bounce buffers take at most 1/8 of the budget of the tier that holds them
+
+
+def bounce_bytes(sizes: Mapping[str, KindSize], budget: int | None = None) -> int:
+    """O_DIRECT bounce buffer per reader thread: the largest unit plus alignment slack, at most BOUNCE_BYTES, and
+    with a `budget`, at most its 1/STAGING_SHARE over the readers (never under MIN_BOUNCE): a small budget reads
+    in smaller aligned pieces rather than spending most of itself on staging."""
+    largest = max(s.slot_bytes for s in sizes.values())
+    size = min(BOUNCE_BYTES, -(-largest // PAGE) * PAGE + PAGE)
+    if budget is not None:
+        size = min(size, max(MIN_BOUNCE, budget // (STAGING_SHARE * READER_THREADS) // PAGE * PAGE))
+    return size
+
+
+def place(units: Mapping[UnitKey, int], *, device_budget: int | None, host_budget: int | None, kv_bytes: int,
+          direct_io: str, gpu: bool) -> tuple[Placement, bool]:
+    """The placement the store executes, and whether it reads with O_DIRECT: the one decision `plan` predicts
+    and Engine.open builds (both call this, so they cannot drift).
+
+    units: bytes of every unit the store will hold. device_budget: the compute tier apart from the host tier
+    (VRAM on a GPU, resolved by the caller: a profile's figure or the free memory; on a CPU, a RAM pool set by
+    --vram); None without a GPU: one RAM tier. host_budget: the host tier (None: unbounded). gpu: the compute
+    tier is a GPU's memory, so disk reads pass through host slots on their way to it. direct_io: auto (on when
+    the weights exceed host_budget), on or off."""
+    if direct_io not in DIRECT_IO:
+        raise ConfigError(f"--direct-io must be auto, on or off, got {direct_io!r}")
+    use_direct = direct_io == "on" or (direct_io == "auto" and host_budget is not None
+                                       and host_budget < sum(units.values()))
+    # every slot an O_DIRECT read lands in straight carries its page slack (store.disk.read_unit_direct)
+    sizes = kind_sizes(units, DIRECT_SLACK if use_direct else 0)
+    staging = READER_THREADS * bounce_bytes(sizes, host_budget) if use_direct else 0
+    if gpu or device_budget is not None:
+        # GPU reads pass through host slots (the store's read via host): one per reader thread and kind, so a
+        # read never finds every host slot of its kind taken
+        placement = plan_placement(sizes, device_budget, host_budget, kv_bytes, staging, separate_host=True,
+                                   host_staging=READER_THREADS if gpu else 0)
+    else:
+        placement = plan_placement(sizes, host_budget, None, kv_bytes, staging, separate_host=False)
+    return placement, use_direct
+
+
 def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_budget: int | None,
                    kv_bytes: int, staging_bytes: int = 0, separate_host: bool = True,
                    host_staging: int = 0) -> Placement:
     """separate_host=False: one RAM tier (CPU without --vram): compute reads the host tier directly.
     host_staging: host slots reserved per kind (at most its unit count) for reads that pass through the host
-    (CUDA: store.build.READER_THREADS); 0: reads land in compute-tier slots directly (CPU)."""
+    (GPU: constants.READER_THREADS); 0: reads land in compute-tier slots directly (CPU)."""
     compute = TierPlan("device" if separate_host else "host", compute_budget, kv_bytes=kv_bytes)
     tiers = [compute]
     if separate_host:

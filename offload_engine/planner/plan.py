@@ -1,41 +1,35 @@
 """plan(spec, budget, profile) -> Plan: the placement the store will execute, the memory per tier, and the
 predicted decode speed. Pure: no weights are read, sizes come from config.json through the architecture's
-schema (or, for architectures the runtime does not implement yet, a planning-only schema below).
+schema (or, for architectures the runtime does not implement yet, a planning-only schema).
 
-A Plan holds the Placement (exactly what `store.build.plan_for` would compute for the same budgets and
-context), a memory table per tier, three decode predictions (no expert-cache hits / expected / all hits)
+A Plan holds the Placement (from `placement.place`, the function Engine.open places with, for the same budgets
+and KV bytes), a memory table per tier, three decode predictions (no expert-cache hits / expected / all hits)
 from `costs.step_cost`, and, with speculation, the same per verify step.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..checkpoint.hf_config import ModelSpec, parse_config
-from ..checkpoint.naming import ModelSchema, TensorSpec, UnitKey
+from ..checkpoint.naming import ModelSchema, UnitKey
+from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..errors import ConfigError
-from . import costs
+from . import costs, kv
+from .formats import WeightFormat, unit_bytes
 from .hardware import HardwareProfile
-from .placement import Placement, kind_sizes, plan_placement
+from .placement import Placement, place
+from .planning_only import PLANNING_ONLY, gpt_oss_schema, vision_params
 from .sizes import param_counts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
-# bits per weight of each --weights format, scales included: fp8 with 128x128 fp32 block scales (DeepSeek-V3
-# style); int8 and int4 as llama.cpp's Q8_0 / Q4_0 (32-weight blocks with an fp16 scale: 8.5 and 4.5 bits)
-FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0 + 32 / (128 * 128), "int8": 8.5, "int4": 4.5}
-DTYPE_BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
-QUANT_BITS = {"fp8": FORMAT_BITS["fp8"], "mxfp4": 4.25}  # released checkpoints' quantization_config
-PLANNING_ONLY = ("gpt_oss",)
 # Charged in the memory table, outside the engine's ledger (--vram / --ram budget the store's slots, staging and
 # KV cache only): a fixed CUDA context figure (context + cuBLAS workspace + caching-allocator slack; a bare CUDA
 # context alone is 0.3-0.5 GiB on recent drivers), the host process, and the activations (activation_bytes)
 DEVICE_RESERVE = int(0.75 * 2**30)
 HOST_RESERVE = 2 * 2**30  # OS, Python, torch libraries
-PREFILL_CHUNK = 512  # default prompt tokens per forward (runtime/model.py); activation_bytes sizes for it
 
 
 # ---- the model, from config.json alone ---------------------------------------------------------------------
@@ -116,37 +110,12 @@ class ModelShape:
         return self.cache[key]
 
     def layer_types(self) -> list[str]:
-        s = self.spec
-        types = s.get("layer_types")
-        if isinstance(types, list) and len(types) == s.num_layers:
-            return [str(t) for t in types]
-        if s.model_type in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
-            interval = s.get("full_attention_interval") or 4
-            return ["full_attention" if (l + 1) % interval == 0 else "linear_attention" for l in range(s.num_layers)]
-        return ["full_attention"] * s.num_layers
+        return kv.layer_types(self.spec)
 
     def kv_bytes(self, positions: int, itemsize: int, with_mtp: bool = False) -> int:
         """KV cache for `positions` (plus the fixed recurrent state of linear-attention layers)."""
-        s, types = self.spec, self.layer_types()
-        if s.get("kv_lora_rank"):  # MLA: one latent and one rope key per layer
-            per_layer = (s.get("kv_lora_rank") + s.get("qk_rope_head_dim")) * itemsize * positions
-            return per_layer * (s.num_layers + (len({k.layer for k in self.mtp.keys()}) if with_mtp else 0))
-        kv = 2 * s.num_kv_heads * s.head_dim * itemsize
-        window = s.get("sliding_window") or positions
-        total = 0
-        for t in types:
-            if t == "full_attention":
-                total += kv * positions
-            elif t == "sliding_attention":
-                total += kv * min(positions, window)
-            else:  # linear attention: conv state + fp32 recurrent state, independent of the context
-                nk, nv = s.get("linear_num_key_heads", 16), s.get("linear_num_value_heads", 32)
-                dk, dv = s.get("linear_key_head_dim", 128), s.get("linear_value_head_dim", 128)
-                conv = (2 * nk * dk + nv * dv) * (s.get("linear_conv_kernel_dim", 4) - 1) * itemsize
-                total += conv + nv * dk * dv * 4
-        if with_mtp:
-            total += kv * positions * len({k.layer for k in self.mtp.keys()})
-        return total
+        mtp_layers = len({k.layer for k in self.mtp.keys()}) if with_mtp else 0
+        return kv.kv_bytes(self.spec, positions, itemsize, mtp_layers=mtp_layers)
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -162,116 +131,15 @@ def model_shape(spec: ModelSpec) -> ModelShape:
             # parameters (DeepSeek-V3's 685 B = 671 B + 14 B), not placed (the trunk's are shared)
             shape.mtp_shared_params = 2 * spec.get("num_nextn_predict_layers") * spec.vocab_size * spec.hidden_size
     elif spec.model_type == "gpt_oss":
-        shape = _gpt_oss_shape(spec)
+        shape = ModelShape(spec, gpt_oss_schema(spec), ModelSchema(), "planning-only")
     else:
         raise ConfigError(f"{spec.path}: model_type {spec.model_type!r} has neither a runtime architecture nor a "
                           f"planning-only schema; planning-only: {', '.join(PLANNING_ONLY)}; runtime: "
                           f"{', '.join(supported_model_types())}")
     vision = spec.get("vision_config")
     if isinstance(vision, dict) and vision.get("depth"):
-        shape.extra_params["vision"] = _vision_params(vision)
+        shape.extra_params["vision"] = vision_params(vision)
     return shape
-
-
-# ---- planning-only schemas (sizes from config fields, for architectures the runtime does not run yet) -------
-def _embed_head(schema: ModelSchema, s: ModelSpec, prefix: str) -> None:
-    V, H = s.vocab_size, s.hidden_size
-    schema.add(UnitKey(-1, "embed"), "weight", TensorSpec(f"{prefix}embed_tokens.weight", (V, H)))
-    head = UnitKey(s.num_layers, "head")
-    schema.add(head, "norm", TensorSpec(f"{prefix}norm.weight", (H,)))
-    schema.add(head, "weight", TensorSpec("lm_head.weight" if not s.tie_word_embeddings
-                                          else f"{prefix}embed_tokens.weight", (V, H)))
-
-
-def _vision_params(v: Mapping[str, Any]) -> int:
-    """Qwen3.5's ViT: patch embed, position embedding, `depth` blocks, patch merger (text-only engine skips it)."""
-    h, i, depth = v.get("hidden_size", 0), v.get("intermediate_size", 0), v.get("depth", 0)
-    merge, out = v.get("spatial_merge_size", 2), v.get("out_hidden_size", 0)
-    block = (3 * h * h + 3 * h) + (h * h + h) + (i * h + i) + (h * i + h) + 4 * h
-    patch = v.get("in_channels", 3) * v.get("temporal_patch_size", 2) * v.get("patch_size", 16) ** 2 * h + h
-    m = h * merge * merge
-    merger = 2 * h + (m * m + m) + (out * m + out)
-    return depth * block + patch + v.get("num_position_embeddings", 0) * h + merger
-
-
-def _gpt_oss_shape(s: ModelSpec) -> ModelShape:
-    """gpt-oss: biased GQA attention with sinks, a biased router, fused experts [E, ...] with biases."""
-    schema = ModelSchema()
-    H, D, E, inter = s.hidden_size, s.head_dim, s.num_experts, s.intermediate_size
-    _embed_head(schema, s, "model.")
-    for l in range(s.num_layers):
-        key, p = UnitKey(l, "dense"), f"model.layers.{l}."
-        q, kv = s.num_heads * D, s.num_kv_heads * D
-        for local, shp in (("input_layernorm.weight", (H,)), ("post_attention_layernorm.weight", (H,)),
-                           ("self_attn.q_proj.weight", (q, H)), ("self_attn.q_proj.bias", (q,)),
-                           ("self_attn.k_proj.weight", (kv, H)), ("self_attn.k_proj.bias", (kv,)),
-                           ("self_attn.v_proj.weight", (kv, H)), ("self_attn.v_proj.bias", (kv,)),
-                           ("self_attn.o_proj.weight", (H, q)), ("self_attn.o_proj.bias", (H,)),
-                           ("self_attn.sinks", (s.num_heads,)), ("mlp.router.weight", (E, H)),
-                           ("mlp.router.bias", (E,))):
-            schema.add(key, local, TensorSpec(p + local, shp))
-        x = f"{p}mlp.experts."
-        for e in range(E):
-            ek = UnitKey(l, "expert", e)
-            schema.add(ek, "gate_up", TensorSpec(x + "gate_up_proj", (H, 2 * inter), index=e))
-            schema.add(ek, "gate_up_bias", TensorSpec(x + "gate_up_proj_bias", (2 * inter,), index=e))
-            schema.add(ek, "down", TensorSpec(x + "down_proj", (inter, H), index=e))
-            schema.add(ek, "down_bias", TensorSpec(x + "down_proj_bias", (H,), index=e))
-    return ModelShape(s, schema, ModelSchema(), "planning-only")
-
-
-# ---- bytes under a weight format ---------------------------------------------------------------------------
-SMALL_LOCALS = ("router", "shared_gate", "mlp.gate.weight", "mlp.router.weight")
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """Bits per weight by tensor class. 1-D tensors, routers and conv kernels stay 16-bit in every format."""
-
-    name: str
-    dense_bits: float  # attention, dense MLPs, shared experts, MTP projections
-    expert_bits: float  # routed experts
-    embed_bits: float  # embedding and output head
-    small_bits: float = 16.0
-
-    @classmethod
-    def of(cls, spec: ModelSpec, weights: str | None, expert_weights: str | None = None) -> "WeightFormat":
-        fmt = cls._of(spec, weights)
-        if expert_weights:
-            if expert_weights not in FORMAT_BITS:
-                raise ConfigError(f"expert weights {expert_weights!r}: choose one of {', '.join(FORMAT_BITS)}")
-            fmt = dataclasses.replace(fmt, name=f"{fmt.name}, {expert_weights} experts",
-                                      expert_bits=FORMAT_BITS[expert_weights])
-        return fmt
-
-    @classmethod
-    def _of(cls, spec: ModelSpec, weights: str | None) -> "WeightFormat":
-        if weights:
-            if weights not in FORMAT_BITS:
-                raise ConfigError(f"--weights {weights!r}: choose one of {', '.join(FORMAT_BITS)}")
-            bits = FORMAT_BITS[weights]
-            return cls(weights, bits, bits, bits, 32.0 if weights == "fp32" else 16.0)
-        quant = spec.get("quantization_config")
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        has_dtype = any(spec.get(k) for k in ("dtype", "torch_dtype"))
-        base = DTYPE_BITS.get(spec.dtype, 16.0) if has_dtype or not quant else 16.0
-        if method == "fp8":  # DeepSeek-V3 / Kimi K2 releases: every layer matrix fp8, embed/head bf16
-            return cls("fp8 (checkpoint)", QUANT_BITS["fp8"], QUANT_BITS["fp8"], base, base)
-        if method == "mxfp4":  # gpt-oss: routed experts MXFP4, the rest bf16
-            return cls("mxfp4 experts (checkpoint)", base, QUANT_BITS["mxfp4"], base, base)
-        name = {32.0: "fp32", 16.0: "bf16" if spec.dtype == "bfloat16" else "fp16"}.get(base, spec.dtype)
-        return cls(f"{name} (checkpoint)", base, base, base, base)
-
-    def bits(self, kind: str, local: str, ts: TensorSpec) -> float:
-        if len(ts.shape) < 2 or local in SMALL_LOCALS or "conv1d" in local:
-            return self.small_bits
-        if kind == "expert":
-            return self.expert_bits
-        return self.embed_bits if kind in ("embed", "head") else self.dense_bits
-
-
-def unit_bytes(key: UnitKey, specs: Mapping[str, TensorSpec], fmt: WeightFormat) -> int:
-    return sum(math.ceil(ts.numel * fmt.bits(key.kind, local, ts) / 8) for local, ts in specs.items())
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
@@ -279,7 +147,7 @@ def unit_bytes(key: UnitKey, specs: Mapping[str, TensorSpec], fmt: WeightFormat)
 class PlanOptions:
     vram: int | None = None  # bytes; None: the profile's VRAM less the reserve (GPU profiles)
     ram: int | None = None  # bytes; None: the profile's RAM less the reserve
-    context: int = 4096
+    context: int = DEFAULT_CONTEXT
     weights: str | None = None  # None: the checkpoint's own format
     expert_weights: str | None = None  # routed experts only (the "int4 experts" what-if)
     spec: str = "off"  # off | auto | mtp | ngram
@@ -331,9 +199,6 @@ SPEC_DEFAULTS = {"mtp": (1, 0.85), "ngram": (3, 0.35)}  # (drafts, per-position 
 
 
 def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> Plan:
-    from ..store.build import READER_THREADS, bounce_bytes
-    from ..store.disk import DIRECT_SLACK
-
     shape = model if isinstance(model, ModelShape) else model_shape(model)
     spec, o, warnings = shape.spec, options, []
     fmt = WeightFormat.of(spec, o.weights, o.expert_weights)
@@ -343,10 +208,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         raise ConfigError(f"--spec mtp: {spec.path} has no multi-token-prediction layers")
     use_mtp = bool(shape.mtp.units) and o.spec in ("mtp", "auto")
     units = shape.bytes_of(fmt, use_mtp)
-    sizes = kind_sizes(units)
     separate_host = profile.has_gpu or o.vram is not None
     itemsize = 2 if profile.has_gpu else 4  # the engine computes in bf16 on CUDA, fp32 on CPU
-    kv = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
+    kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
     act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
     activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
@@ -355,17 +219,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         vram = max(profile.vram_bytes - reserve["device"] - act, 0)
     if ram is None:
         ram = max(profile.ram_bytes - reserve["host"] - (0 if profile.has_gpu else act + (vram or 0)), 0)
-    total = sum(units.values())
-    direct = o.direct_io == "on" or (o.direct_io == "auto" and ram < total)
-    if direct:  # slots that O_DIRECT reads land in straight carry page slack (store.build.plan_for)
-        sizes = kind_sizes(units, DIRECT_SLACK)
-    staging = READER_THREADS * bounce_bytes(sizes, ram) if direct else 0
-    if separate_host:
-        # CUDA reads stage through host slots (store._read_via_host): one per reader thread and kind
-        placement = plan_placement(sizes, vram, ram, kv, staging, separate_host=True,
-                                   host_staging=READER_THREADS if profile.has_gpu else 0)
-    else:
-        placement = plan_placement(sizes, ram, None, kv, staging, separate_host=False)
+    placement, direct = place(units, device_budget=vram, host_budget=ram, kv_bytes=kv_charge,
+                              direct_io=o.direct_io, gpu=profile.has_gpu)
+    sizes = placement.sizes
     fit = physical_fit(placement, activations, reserve, profile)
     for memory, (need, have) in fit.items():
         if need > have:
@@ -394,8 +250,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         info.update(accepted_per_step=costs.accepted_per_step(drafts, accept), drafts=drafts, accept=accept)
     if o.host_compute and not profile.has_gpu:
         warnings.append("--host-compute has no effect without a GPU: every unit is computed on the CPU already")
-    return Plan(shape, profile, o, fmt, placement, units, kv, activations, reserve, separate_host, direct, use_mtp,
-                hits, steps, tok_s, info, warnings, shape.params(), fit)
+    return Plan(shape, profile, o, fmt, placement, units, kv_charge, activations, reserve, separate_host, direct,
+                use_mtp, hits, steps, tok_s, info, warnings, shape.params(), fit)
 
 
 def _gib(n: float) -> str:

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..planner.costs import union_share
+
 
 OPTIMISTIC = 1.9  # tokens per step a depth-1 draft yields at 90% acceptance (the bound a probe must beat)
 PRIOR_FIRST, PRIOR_SIBLING, STRENGTH = 0.3, 0.1, 2.0  # acceptance priors (chain node, sibling) and their weight
@@ -382,4 +384,4 @@ def union_multiplier(num_experts: int, k: int, T: int) -> float:
     if not num_experts or not k:
         return float(T)
     f = k / num_experts
-    return (1.0 - (1.0 - f) ** T) / f if f < 1 else 1.0
+    return union_share(num_experts, k, T) / f if f < 1 else 1.0  # the planner's A7 formula, per routed expert

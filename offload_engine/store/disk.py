@@ -22,6 +22,7 @@ import torch
 
 from ..checkpoint.index import ShardInfo
 from ..checkpoint.layout import ReadRange, UnitLayout
+from ..constants import BOUNCE_BYTES, DIRECT_SLACK, PAGE  # noqa: F401 (store.py and tests import the first two here)
 from ..errors import IOFault
 from .readers import reading
 
@@ -149,8 +150,7 @@ def read_unit(files: ShardFiles, layout: UnitLayout, blob: torch.Tensor) -> None
 
 
 # ---- direct I/O -------------------------------------------------------------------------------------------
-ALIGN = 4096
-BOUNCE_BYTES = 1024 * 1024  # per reader thread, page aligned, charged to the host tier as staging
+ALIGN = PAGE  # the name tests/test_store.py and tests/test_io_faults.py import; this module says PAGE
 
 
 def open_direct(path: Path, files: ShardFiles | None = None) -> int | None:
@@ -185,7 +185,7 @@ def read_range_direct(fd: int, r: ReadRange, blob: torch.Tensor, bounce: memoryv
     src = torch.frombuffer(bounce, dtype=torch.uint8)
     pos, end = r.file_offset, r.file_offset + r.nbytes
     while pos < end:
-        start = pos - pos % ALIGN
+        start = pos - pos % PAGE
         got = _pread_aligned(fd, r, start, min(end, start + len(bounce)), bounce, files) - (pos - start)
         at = r.blob_offset + (pos - r.file_offset)
         blob[at:at + got].copy_(src[pos - start:pos - start + got])
@@ -202,7 +202,7 @@ class DirectAlign:
     offset: int
 
 
-PAGE_DIRECT = DirectAlign(ALIGN, ALIGN)  # where the system does not say: a page, which every filesystem accepts
+PAGE_DIRECT = DirectAlign(PAGE, PAGE)  # where the system does not say: a page, which every filesystem accepts
 STATX_DIOALIGN, AT_EMPTY_PATH = 0x2000, 0x1000
 _STATX_SIZE, _STATX_DIO_MEM_ALIGN = 256, 152  # struct statx: its size, and where stx_dio_mem_align (u32) is
 
@@ -220,14 +220,14 @@ def direct_alignment(fd: int) -> DirectAlign:
     mask = int.from_bytes(buf.raw[0:4], sys.byteorder)
     memory, offset = (int.from_bytes(buf.raw[at:at + 4], sys.byteorder)
                       for at in (_STATX_DIO_MEM_ALIGN, _STATX_DIO_MEM_ALIGN + 4))
-    if not mask & STATX_DIOALIGN or not all(0 < a <= ALIGN and a & (a - 1) == 0 for a in (memory, offset)):
+    if not mask & STATX_DIOALIGN or not all(0 < a <= PAGE and a & (a - 1) == 0 for a in (memory, offset)):
         return PAGE_DIRECT
     return DirectAlign(memory, offset)
 
 
-# A slot read straight from O_DIRECT needs room for up to ALIGN - 1 bytes to reach a page boundary in the slot, up to
-# ALIGN - 1 bytes of file before the unit (its offset within an aligned block) and the tail of the last block.
-DIRECT_SLACK = 3 * ALIGN
+# A slot read straight from O_DIRECT needs room (constants.DIRECT_SLACK) for up to PAGE - 1 bytes to reach a page
+# boundary in the slot, up to PAGE - 1 bytes of file before the unit (its offset within an aligned block) and the
+# tail of the last block.
 
 
 def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: ShardFiles | None = None,
@@ -254,7 +254,7 @@ def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: Sha
     base = blob.data_ptr()
     lands = lead % align.memory == 0
     # reading to `dest`, the unit begins at `at`, a page boundary (moved there when the read cannot land it so)
-    at = -(base + lead) % ALIGN + lead if lands else -base % ALIGN
+    at = -(base + lead) % PAGE + lead if lands else -base % PAGE
     dest = at - lead if lands else at
     if dest + length > blob.numel():
         return None
@@ -267,7 +267,7 @@ def read_unit_direct(fd: int, layout: UnitLayout, blob: torch.Tensor, files: Sha
 
 
 def _pread_aligned(fd: int, r: ReadRange, start: int, need_end: int, buf: memoryview,
-                   files: ShardFiles | None, grain: int = ALIGN) -> int:
+                   files: ShardFiles | None, grain: int = PAGE) -> int:
     """Aligned O_DIRECT reads of the file from `start` (a multiple of `grain`) into `buf` (aligned as the file
     asks), READ_CHUNK bytes per call so the stall watchdog sees progress, until the bytes up to `need_end` are in.
     Returns how many bytes from `start` are valid (at least need_end - start). Short reads re-read from the last

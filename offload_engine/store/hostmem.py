@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 
 HUGE_PAGE = 2 << 20
+# The OS page (madvise lengths, one write per page to fault memory in), not constants.PAGE: that is O_DIRECT's
+# and the slots' 4 KiB grain, while a kernel with 16 or 64 KiB pages (arm64) faults and advises whole pages of its own
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; the mmap module names it from 3.13
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...constants import DEFAULT_CONTEXT
 from ...errors import ConfigError
 from ...runtime.mtp import mtp_layer_count, mtp_supported
 from .ngram import NgramDrafter
@@ -13,7 +14,7 @@ def build_drafters(spec: str, model: Any, cache: Any, *, draft: Any = None, stor
                    with_self: bool = True, self_experts_per_token: int | None = None) -> list:
     """spec "auto": every drafter the target supports (self only `with_self`); otherwise the named one, or
     ConfigError saying why not."""
-    capacity = getattr(cache, "capacity", None) or (model.max_context or 4096)
+    capacity = getattr(cache, "capacity", None) or (model.max_context or DEFAULT_CONTEXT)
     has_mtp = hasattr(model, "checkpoint") and mtp_supported(model)
     has_experts = bool(getattr(getattr(model, "spec", None), "num_experts", 0)) and hasattr(model, "checkpoint")
     out = []
