@@ -15,6 +15,7 @@ import torch
 from .constants import PREFILL_CHUNK
 from .errors import ConfigError
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES
+from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
 from .speculative.stepper import check_spec
 from .store.policy import POLICIES
@@ -53,11 +54,6 @@ class Budget:
 
         return ResolvedBudget(device=one(self.vram, "--vram"), host=one(self.ram, "--ram"))
 
-
-@dataclass(frozen=True)
-class ResolvedBudget:
-    device: int | None
-    host: int | None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

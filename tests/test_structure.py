@@ -13,8 +13,8 @@ MAX_LINES = 450
 # each top-level package or module of offload_engine and its place in the flow: a module may import its own
 # package and anything at its place or before it, nothing after it
 STAGES = {
-    "constants": 0, "errors": 0, "units": 0, "interrupts": 0, "defaults": 0,
-    "checkpoint": 1, "tokenizer": 1,
+    "constants": 0, "errors": 0, "units": 0, "interrupts": 0, "defaults": 0, "modes": 0,
+    "checkpoint": 1, "tokenizer": 1, "tokenizer_tiktoken": 1,
     "planner": 2, "probe": 2,
     "store": 3, "prefetch": 3,
     "runtime": 4,
@@ -61,6 +61,14 @@ def test_every_module_has_a_stage():
     assert not unknown, f"give these a place in the flow (STAGES): {unknown}"
 
 
+# known seams against the flow, each with its reason (remove an entry when its seam is fixed)
+AGAINST_THE_FLOW = {
+    # the architectures (runtime/arch) own both their naming tables, which the checkpoint and the planner read,
+    # and their ops; splitting each into a naming half under checkpoint/ and an ops half is the fix
+    ("offload_engine/checkpoint/model.py", "runtime"), ("offload_engine/planner/plan.py", "runtime"),
+}
+
+
 def test_imports_follow_the_flow():
     backwards = []
     for path in _modules():
@@ -68,7 +76,9 @@ def test_imports_follow_the_flow():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for there in _imported(path, node):
-                    if there != here and STAGES.get(there, -1) > STAGES[here]:
+                    where = path.relative_to(ROOT).as_posix()
+                    if (there != here and STAGES.get(there, -1) > STAGES[here]
+                            and (where, there) not in AGAINST_THE_FLOW):
                         backwards.append(f"{path.relative_to(ROOT)}:{node.lineno} ({here}) imports {there}")
     assert not backwards, "imports against the flow:\n" + "\n".join(backwards)
 

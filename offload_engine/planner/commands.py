@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -18,7 +17,7 @@ from . import costs
 from .formats import FORMAT_BITS, WeightFormat, unit_bytes
 from .hardware import HardwareProfile, load_profile, probe, save_profile
 from .plan import ModelShape, Plan, PlanOptions, load_model_spec, model_shape, plan
-from .report import plan_json, plan_text
+from .report import WhatIf, plan_json, plan_text
 
 DEFAULT_PROFILE = "rtx4070-12gb"
 PLAN_EXAMPLES = """examples:
@@ -163,20 +162,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 # ---- what-ifs: the smallest change that doubles the speed -------------------------------------------------
-@dataclass(frozen=True)
-class WhatIf:
-    change: str
-    tok_s: float | None  # expected decode tok/s after the change; None: infeasible
-    factor: float | None
-    bottleneck: str = ""
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"change": self.change, "tok_s": None if self.tok_s is None else round(self.tok_s, 4),
-                "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
-                "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
-
-
 BUDGET_STEPS = (1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 
 

@@ -42,6 +42,13 @@ ROW_CACHE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
+class ResolvedBudget:
+    """Budgets in bytes per tier (config.Budget resolved against the model's size); None: not limited."""
+    device: int | None
+    host: int | None
+
+
+@dataclass(frozen=True)
 class KindSize:
     kind: str
     count: int  # units of this kind

@@ -1,18 +1,32 @@
 """A Plan as JSON (machine-readable, stable keys) and as text (what `offload-engine plan` prints)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from ..units import format_bytes
 from . import costs
 from .plan import Plan
 
-if TYPE_CHECKING:
-    from .commands import WhatIf
 
 SCENARIOS = ("no_hits", "expected", "all_hits")
 ACTIVE_CONVENTION = "with_embedding_and_head"  # of params_active; the others in params_active_by_convention
 
+
+
+# a what-if row (planner/commands.py finds them: the smallest change that doubles the speed)
+@dataclass(frozen=True)
+class WhatIf:
+    change: str
+    tok_s: float | None  # expected decode tok/s after the change; None: infeasible
+    factor: float | None
+    bottleneck: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "tok_s": None if self.tok_s is None else round(self.tok_s, 4),
+                "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
+                "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
 
 def placement_summary(p: Plan) -> dict[str, Any]:
     """Per kind: where it lives and its cache slots per tier, in units and in % of the kind's units."""

@@ -6,10 +6,9 @@ import os
 import torch
 
 from ..checkpoint.model import ModelCheckpoint
-from ..config import ResolvedBudget
 from ..constants import READER_THREADS, STALL_TIMEOUT_S
 from ..errors import ConfigError
-from ..planner.placement import Placement, bounce_bytes, place
+from ..planner.placement import Placement, ResolvedBudget, bounce_bytes, place
 from .ledger import Ledger
 from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
 
