@@ -30,6 +30,7 @@ from typing import Mapping
 from ..checkpoint.naming import UnitKey
 from ..constants import BOUNCE_BYTES, DIRECT_SLACK, PAGE, READER_THREADS
 from ..errors import BudgetError, ConfigError
+from ..modes import DIRECT_IO_MODES
 from ..units import format_bytes
 
 ALWAYS_NEEDED = ("dense", "head", "embed", "mtp")  # pinned first, in this order, when a whole kind fits
@@ -184,7 +185,6 @@ class Placement:
         return "\n".join(lines)
 
 
-DIRECT_IO = ("auto", "on", "off")  # --direct-io
 MIN_BOUNCE = 64 * 1024
 STAGING_SHARE = 8  # the O_DIRECT bounce buffers take at most 1/8 of the budget of the tier that holds them
 
@@ -210,8 +210,8 @@ def place(units: Mapping[UnitKey, int], *, device_budget: int | None, host_budge
     --vram); None without a GPU: one RAM tier. host_budget: the host tier (None: unbounded). gpu: the compute
     tier is a GPU's memory, so disk reads pass through host slots on their way to it. direct_io: auto (on when
     the weights exceed host_budget), on or off."""
-    if direct_io not in DIRECT_IO:
-        raise ConfigError(f"--direct-io must be auto, on or off, got {direct_io!r}")
+    if direct_io not in DIRECT_IO_MODES:
+        raise ConfigError(f"--direct-io must be {', '.join(DIRECT_IO_MODES)}, got {direct_io!r}")
     use_direct = direct_io == "on" or (direct_io == "auto" and host_budget is not None
                                        and host_budget < sum(units.values()))
     # every slot an O_DIRECT read lands in straight carries its page slack (store.disk.read_unit_direct)
