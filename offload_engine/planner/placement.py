@@ -17,8 +17,7 @@ expert slots, 13% fewer misses per token (docs/PERF.md).
 The staging invariant (accelerate's): each tier keeps room for the largest unit of the tier below. The compute
 tier's minimum working set (MIN_STREAM_SLOTS of every kind it does not pin) holds it for units coming from the
 host or the disk. When reads pass through the host on their way to the compute tier (CUDA without GPUDirect
-Storage: disk -> pinned host slot -> device, store._read_via_host, pinned device units included when they are
-loaded), `host_staging` slots of every kind are reserved on the host before anything else is placed there: one
+Storage: disk -> pinned host slot -> device, store/fill.py, pinned device units included when they are loaded), `host_staging` slots of every kind are reserved on the host before anything else is placed there: one
 per reader thread, so no concurrent read finds every host slot of its kind busy.
 """
 from __future__ import annotations
