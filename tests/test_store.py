@@ -171,8 +171,9 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
     in place instead of moving it."""
     from offload_engine.checkpoint.model import open_model
     from offload_engine.store import disk
-    from offload_engine.store.disk import (ALIGN, DIRECT_SLACK, PAGE_DIRECT, DirectAlign, ShardFiles,
-                                           direct_alignment, open_direct, read_unit, read_unit_direct)
+    from offload_engine.constants import DIRECT_SLACK
+    from offload_engine.store.disk import (ALIGN, PAGE_DIRECT, DirectAlign, ShardFiles, direct_alignment, open_direct,
+                                           read_unit, read_unit_direct)
 
     folder = checkpoint_factory("qwen3_moe", "offload")
     if alignment == "fine":

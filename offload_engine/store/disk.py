@@ -22,7 +22,7 @@ import torch
 
 from ..checkpoint.index import ShardInfo
 from ..checkpoint.layout import ReadRange, UnitLayout
-from ..constants import BOUNCE_BYTES, DIRECT_SLACK, PAGE  # noqa: F401 (store.py and tests import the first two here)
+from ..constants import PAGE
 from ..errors import IOFault
 from .readers import reading
 

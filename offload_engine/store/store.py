@@ -27,11 +27,10 @@ import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
-from ..constants import READER_THREADS, STALL_TIMEOUT_S
+from ..constants import BOUNCE_BYTES, READER_THREADS, STALL_TIMEOUT_S
 from ..errors import BudgetError, EngineClosedError
 from ..interrupts import finish_despite_interrupts
 from ..planner.placement import Placement
-from .disk import BOUNCE_BYTES
 from .eviction import PREFETCH_SLOTS, Evictor, failed
 from .fill import Filler
 from .gds import GdsReader

@@ -16,7 +16,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..checkpoint.layout import ReadRange, UnitLayout
-from .disk import (BOUNCE_BYTES, PAGE_DIRECT, DirectAlign, ShardFiles, direct_alignment, drop_cache, open_direct,
+from ..constants import BOUNCE_BYTES
+from .disk import (PAGE_DIRECT, DirectAlign, ShardFiles, direct_alignment, drop_cache, open_direct,
                    read_range, read_range_direct, read_unit_direct)
 from .gds import GdsReader
 from .readers import reading
