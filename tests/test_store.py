@@ -171,7 +171,7 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
     in place instead of moving it."""
     from offload_engine.checkpoint.model import open_model
     from offload_engine.store import disk
-    from offload_engine.constants import DIRECT_SLACK
+    from offload_engine.constants import DIRECT_SLACK, PAGE
     from offload_engine.store.disk import (ALIGN, PAGE_DIRECT, DirectAlign, ShardFiles, direct_alignment, open_direct,
                                            read_unit, read_unit_direct)
 
@@ -209,7 +209,11 @@ def test_direct_read_lands_in_the_slot_without_a_bounce(checkpoint_factory, alig
             assert (slot.data_ptr() + at) % ALIGN == 0, layout.key
             views = layout.views(slot[at:])  # typed views of the unit where it landed
             assert all(v.data_ptr() % v.element_size() == 0 for v in views.values())
-            assert read_unit_direct(fd, layout, slot[:layout.nbytes + 1024], files, align) is None  # no slack
+            # no slack: a slot of the unit's size that does not begin on a page cannot hold the aligned read
+            # around it (whatever the unit's offset in its file), so it is declined
+            spare = torch.empty(layout.nbytes + 2 * PAGE, dtype=torch.uint8)
+            start = (64 - spare.data_ptr()) % PAGE
+            assert read_unit_direct(fd, layout, spare[start:start + layout.nbytes], files, align) is None
         assert direct > 0
         if alignment != "reported":  # NVMe's alignment lands every unit; a page's moves those not on one
             assert (len(moves) == 0) == (alignment == "fine")
