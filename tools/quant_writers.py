@@ -61,7 +61,7 @@ def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions(
         tensors = load_file(shard)
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            parts = _quantize(name, t, quant, opts, gen) if quantizable(name, t) else None
+            parts = quantize_tensor(name, t, quant, opts, gen) if quantizable(name, t) else None
             out.update(parts if parts is not None else {name: t})
         save_file({k: v.contiguous() for k, v in out.items()}, shard, metadata={"format": "pt"})
         weight_map.update({k: shard.name for k in out})
@@ -110,7 +110,8 @@ def ct_scheme(quant: str, opts: QuantOptions):
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-def _quantize(name: str, t: torch.Tensor, quant: str, opts: QuantOptions, gen: torch.Generator):
+def quantize_tensor(name: str, t: torch.Tensor, quant: str, opts: QuantOptions, gen: torch.Generator):
+    """One quantizable tensor -> its stored components under the release's names (None: the format keeps it)."""
     fused = _FUSED.search(name) is not None
     if quant == "mxfp4":
         return _mxfp4(name, t) if fused else None

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""A random-weight checkpoint written straight into a quantized format, tensor by tensor, never whole in memory.
+
+make_checkpoint.py builds a model in transformers, saves it and then quantizes the folder: right for test sizes,
+impossible for a full-depth 30B-A3B shape on a machine whose disk (64 GiB) cannot hold the 61 GB bf16 copy first.
+Here the tensor names and shapes come from transformers' own class built on the meta device (no memory), each
+weight is drawn (on `--device`, e.g. cuda), quantized by tools/quant_writers.py's writers (the release's names and
+config fields) and appended to a shard of at most `--shard-size` bytes.
+
+  python tools/synthetic_quant.py --config configs/models/Qwen3-30B-A3B.json --quant ct-int4 --out /scratch/q30b-int4
+
+The weights are noise (std 0.02, norms 1): for bytes, budgets and speed, not for text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+try:
+    from tools.quant_writers import QUANTS, QuantOptions, quant_config, quantizable, quantize_tensor
+except ModuleNotFoundError:  # run as a script: tools/ is on sys.path, the repo root may not be
+    from quant_writers import QUANTS, QuantOptions, quant_config, quantizable, quantize_tensor  # type: ignore
+
+STD = 0.02
+
+
+FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def tensor_shapes(config: dict, fused_experts: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor transformers' class for `config` holds, with its shape and dtype, built on the meta device.
+    transformers 5 holds routed experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]);
+    unless `fused_experts`, they are named per expert as Qwen3-MoE / DeepSeek releases store them."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    shapes = {}
+    for name, t in model.state_dict().items():
+        fused = FUSED.match(name)
+        if fused is None or fused_experts:
+            shapes[name] = (tuple(t.shape), t.dtype)
+            continue
+        prefix, which = fused.groups()
+        for e in range(t.shape[0]):
+            if which == "down_proj":
+                shapes[f"{prefix}.{e}.down_proj.weight"] = (tuple(t.shape[1:]), t.dtype)
+            else:
+                half = (t.shape[1] // 2, t.shape[2])
+                shapes[f"{prefix}.{e}.gate_proj.weight"] = (half, t.dtype)
+                shapes[f"{prefix}.{e}.up_proj.weight"] = (half, t.dtype)
+    return shapes
+
+
+def draw(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str) -> torch.Tensor:
+    if name.endswith("norm.weight"):  # layer norms, q/k norms, the final norm
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return (torch.randn(shape, generator=gen, device=device) * STD).to(dtype)
+
+
+def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = QuantOptions(),
+                    device: str = "cpu", shard_bytes: int = 2 << 30, fused_experts: bool = False) -> dict:
+    """Write the folder (config.json with its quantization_config, shards, index). Returns bytes and seconds."""
+    if quant not in QUANTS:
+        raise SystemExit(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
+    tmp = out.with_name(out.name + ".partial")  # published by one rename: never a half-written folder at `out`
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator(device=device).manual_seed(opts.seed)
+    shapes = tensor_shapes(config, fused_experts)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, total, started = 0, 0, time.perf_counter()
+    names = []
+
+    def flush() -> None:
+        nonlocal size
+        if shards[-1]:
+            names.append(f"model-{len(names) + 1:05d}.safetensors")
+            save_file(shards[-1], tmp / names[-1], metadata={"format": "pt"})
+            shards[-1] = {}
+        size = 0
+
+    weight_map: dict[str, int] = {}
+    for name, (shape, dtype) in tqdm(shapes.items(), desc=f"writing {quant}", unit="tensor"):
+        t = draw(name, shape, dtype, gen, device)
+        parts = quantize_tensor(name, t, quant, opts, gen) if quantizable(name, t) else {name: t}
+        for part, value in parts.items():
+            value = value.contiguous().cpu()
+            nbytes = value.numel() * value.element_size()
+            if size and size + nbytes > shard_bytes:
+                flush()
+            shards[-1][part] = value
+            weight_map[part] = len(names)  # the shard it lands in: names grows by one per flush
+            size += nbytes
+            total += nbytes
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = {**config, "torch_dtype": "bfloat16", "quantization_config": quant_config(quant, opts)}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return {"bytes": total, "shards": len(names), "tensors": len(weight_map), "seconds": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path, help="a config.json (e.g. configs/models/*.json)")
+    ap.add_argument("--quant", required=True, choices=QUANTS)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--layers", type=int, default=None, help="num_hidden_layers instead of the config's")
+    ap.add_argument("--device", default="cpu", help="where weights are drawn and quantized (cuda is far faster)")
+    ap.add_argument("--shard-size", type=int, default=2 << 30, help="bytes per shard (default 2 GiB)")
+    ap.add_argument("--group", type=int, default=32, help="int4 group size (default 32)")
+    ap.add_argument("--fused-experts", action="store_true",
+                    help="store routed experts fused (Qwen3.5-MoE / gpt-oss releases) instead of per expert")
+    args = ap.parse_args(argv)
+    config = json.loads(args.config.read_text())
+    if args.layers is not None:
+        config["num_hidden_layers"] = args.layers
+    result = write_synthetic(config, args.out, args.quant, QuantOptions(group_size=args.group), args.device,
+                             args.shard_size, args.fused_experts)
+    print(f"wrote {args.out}: {result['bytes'] / 2**30:.2f} GiB in {result['shards']} shards, "
+          f"{result['tensors']} tensors, {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
