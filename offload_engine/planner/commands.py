@@ -202,9 +202,9 @@ def what_ifs(base: Plan) -> list[WhatIf]:
         if tried:
             out.append(tried)
     if base.fmt.expert_bits > FORMAT_BITS["int4"] and shape.moe_layers:
-        out.append(attempt("int4 experts (4.5 bits/weight)", expert_weights="int4"))
+        out.append(attempt(f"int4 experts ({FORMAT_BITS['int4']:g} bits/weight)", expert_weights="int4"))
     if base.fmt.dense_bits > FORMAT_BITS["int4"]:
-        out.append(attempt("int4 everywhere (4.5 bits/weight)", weights="int4"))
+        out.append(attempt(f"int4 everywhere ({FORMAT_BITS['int4']:g} bits/weight)", weights="int4"))
     if prof.has_gpu:
         out.append(attempt(f"PCIe x2 ({prof.pcie_gbps:g} -> {2 * prof.pcie_gbps:g} GB/s)",
                            prof.with_changes(pcie_gbps=2 * prof.pcie_gbps)))
