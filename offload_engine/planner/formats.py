@@ -42,6 +42,7 @@ _WHAT_IF = {name: parse_quant_config(raw, Path(f"--weights {name}")) for name, r
 FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0,
                **{name: nominal_bits(cfg) for name, cfg in _WHAT_IF.items()}}
 SMALL_LOCALS = ("router", "shared_gate", "mlp.gate.weight", "mlp.router.weight")
+OWN = ("dense", "expert")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class WeightFormat:
     small_bits: float = 16.0  # 1-D tensors, routers and conv kernels
     dense: QuantConfig | None = None
     expert: QuantConfig | None = None
-    own: bool = False  # the checkpoint's own format: its headers also say which weights are stored quantized
+    own: tuple[str, ...] = ()  # classes in the checkpoint's own format: its headers say which are stored quantized
     stored: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)  # name -> dtype
 
     @classmethod
@@ -69,7 +70,8 @@ class WeightFormat:
                 raise ConfigError(f"expert weights {expert_weights!r}: choose one of {', '.join(FORMAT_BITS)}")
             quant = _WHAT_IF.get(expert_weights)
             fmt = dataclasses.replace(fmt, name=f"{fmt.name}; {expert_weights} experts",
-                                      expert_bits=FORMAT_BITS[expert_weights], expert=quant, own=False)
+                                      expert_bits=FORMAT_BITS[expert_weights], expert=quant,
+                                      own=tuple(c for c in fmt.own if c != "expert"))
         return fmt
 
     @classmethod
@@ -91,11 +93,11 @@ class WeightFormat:
         stored = stored_dtypes(spec)
         if cfg is None:
             name = {32.0: "fp32", 16.0: "bf16" if spec.dtype == "bfloat16" else "fp16"}.get(base, spec.dtype)
-            return cls(f"{name} (checkpoint)", base, base, base, base, own=True, stored=stored)
+            return cls(f"{name} (checkpoint)", base, base, base, base, own=OWN, stored=stored)
         bits = nominal_bits(cfg)
         if cfg.method == "mxfp4":  # gpt-oss: routed experts MXFP4, the rest bf16
-            return cls(f"{describe(cfg)} (checkpoint)", base, bits, base, base, None, cfg, own=True, stored=stored)
-        return cls(f"{describe(cfg)} (checkpoint)", bits, bits, base, base, cfg, cfg, own=True, stored=stored)
+            return cls(f"{describe(cfg)} (checkpoint)", base, bits, base, base, None, cfg, OWN, stored)
+        return cls(f"{describe(cfg)} (checkpoint)", bits, bits, base, base, cfg, cfg, OWN, stored)
 
     def bits(self, kind: str, local: str, ts: TensorSpec) -> float:
         """Bits per weight of a tensor stored as a float (not quantized)."""
@@ -106,18 +108,21 @@ class WeightFormat:
         return self.embed_bits if kind in ("embed", "head") else self.dense_bits
 
     def tensor_bytes(self, kind: str, local: str, ts: TensorSpec) -> int:
+        """Bytes of one unit tensor: a quantized weight's components, else the tensor as stored (the shard headers
+        where the format reads them), else at the format's bits."""
+        own = ("expert" if kind == "expert" else "dense") in self.own
         cfg = self.expert if kind == "expert" else self.dense
-        stored = self.stored.get(ts.hf_name) if self.stored else None
+        stored = self.stored.get(ts.hf_name)
         q = quant_spec_for(cfg, kind, ts) if cfg is not None else None
-        if q is not None and not (self.own and stored in FLOAT_BITS):  # a float weight of its own: kept
-            return quantized_bytes(q, self.scale_for(cfg, ts))
-        if stored in FLOAT_BITS and (cfg is not None or self.own):
+        if q is not None and not (own and stored in FLOAT_BITS):  # a float weight of its own checkpoint: kept
+            return quantized_bytes(q, self.scale_for(cfg, ts) if own else None)
+        if stored in FLOAT_BITS:
             return tensor_bytes(ts.numel, FLOAT_BITS[stored])
         return math.ceil(ts.numel * self.bits(kind, local, ts) / 8)
 
     def scale_for(self, cfg: QuantConfig, ts: TensorSpec) -> str | None:
         """The scales' dtype as stored (the checkpoint's own format); None: the format's default."""
-        if self.own and self.stored:
+        if self.stored:
             for name in _scale_names(cfg.method, ts.hf_name):
                 if name in self.stored:
                     return self.stored[name]
