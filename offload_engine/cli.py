@@ -251,49 +251,12 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint.model import open_model
-    from .planner.sizes import param_counts
+    from .planner.inspect_report import inspect_report, inspect_text
     from .runtime.mtp import attach_mtp_units
 
     ck = attach_mtp_units(open_model(args.model))  # MTP layers counted as such, not listed as unused tensors
-    counts = param_counts(ck.schema, ck.spec.num_experts_per_tok)
-    report = {
-        "path": str(ck.root),
-        "model_type": ck.spec.model_type,
-        "architectures": ck.spec.get("architectures"),
-        "dtype": ck.spec.dtype,
-        "layers": ck.spec.num_layers,
-        "experts": ck.spec.num_experts,
-        "experts_per_token": ck.spec.num_experts_per_tok,
-        "fused_experts": ck.fused_experts,
-        "params_total": counts.total,
-        "params_active": counts.active,
-        "params_mtp": counts.mtp,
-        "bytes_total": ck.total_bytes,
-        "bytes_by_kind": ck.bytes_by_kind(),
-        "units_by_kind": {k: sum(1 for key in ck.layouts if key.kind == k) for k in ck.bytes_by_kind()},
-        "shards": [{"file": s.path.name, "bytes": s.size, "tensors": sum(1 for r in ck.index.tensors.values()
-                                                                          if r.file == s.path)}
-                   for s in ck.index.shards],
-        "unused_tensors": ck.unused_tensors,
-    }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"{report['path']}: {report['model_type']} ({', '.join(report['architectures'] or [])}), {report['dtype']}")
-    print(f"  layers {report['layers']}, experts {report['experts']} (top-{report['experts_per_token']})"
-          f"{', fused expert tensors' if ck.fused_experts else ''}")
-    print(f"  parameters: {counts.total / 1e9:.3f} B total, {counts.active / 1e9:.3f} B active per token"
-          + (f", {counts.mtp / 1e9:.3f} B MTP" if counts.mtp else ""))
-    print(f"  bytes: {format_bytes(ck.total_bytes)}")
-    for kind, n in sorted(report["bytes_by_kind"].items(), key=lambda kv: -kv[1]):
-        print(f"    {kind:<7} {format_bytes(n):>12}  {100 * n / ck.total_bytes:5.1f}%  "
-              f"({report['units_by_kind'][kind]} units)")
-    print(f"  shards ({len(report['shards'])}):")
-    for s in report["shards"]:
-        print(f"    {s['file']}  {format_bytes(s['bytes'])}  {s['tensors']} tensors")
-    if ck.unused_tensors:
-        print(f"  unused tensors ({len(ck.unused_tensors)}): {', '.join(ck.unused_tensors[:5])}"
-              f"{' ...' if len(ck.unused_tensors) > 5 else ''}")
+    report = inspect_report(ck)
+    print(json.dumps(report, indent=2) if args.json else inspect_text(report))
     return 0
 
 

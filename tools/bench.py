@@ -200,10 +200,11 @@ def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
 # ---- the engine ---------------------------------------------------------------------------------------------
 def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
                progress: bool, quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None,
-               policy: str = "lru-floor") -> EngineRun:
+               policy: str = "lru-floor", ram: int | None = None) -> EngineRun:
     """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
-    warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill."""
-    budget = Budget() if pct is None else Budget(ram=f"{pct:g}%")
+    warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill.
+    ram: a budget in bytes instead of `pct` of the model's bytes (pct is then only the run's label)."""
+    budget = Budget() if pct is None else Budget(ram=ram if ram is not None else f"{pct:g}%")
     direct = "auto" if pct is None or pct >= 100 else "on"
     start = time.perf_counter()
     options = {} if prefetch == "adaptive" else {"prefetch": PREFETCH_MODES[prefetch]}

@@ -47,7 +47,11 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
     hw.add_argument("--probe", action="store_true", help="measure this machine (quick probe) and plan for it")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help=f"KV cache positions reserved (default {DEFAULT_CONTEXT})")
-    p.add_argument("--weights", choices=sorted(FORMAT_BITS), help="weight format (default: the checkpoint's)")
+    p.add_argument("--weights", choices=sorted(FORMAT_BITS),
+                   help="weight format (default: the checkpoint's own, read from its quantization_config); fp8, "
+                        "int8, int4: the units of a checkpoint in fp8 128x128 blocks, compressed-tensors int8 per "
+                        "channel, int4 in groups of 32 (tools/make_checkpoint.py --quant fp8-block|ct-int8|ct-int4), "
+                        "the embedding, head, norms and routers kept as stored")
     p.add_argument("--spec", default="off", choices=PLAN_SPEC_MODES, help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
     p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
@@ -202,9 +206,9 @@ def what_ifs(base: Plan) -> list[WhatIf]:
         if tried:
             out.append(tried)
     if base.fmt.expert_bits > FORMAT_BITS["int4"] and shape.moe_layers:
-        out.append(attempt("int4 experts (4.5 bits/weight)", expert_weights="int4"))
+        out.append(attempt(f"int4 experts ({FORMAT_BITS['int4']:g} bits/weight)", expert_weights="int4"))
     if base.fmt.dense_bits > FORMAT_BITS["int4"]:
-        out.append(attempt("int4 everywhere (4.5 bits/weight)", weights="int4"))
+        out.append(attempt(f"int4 everywhere ({FORMAT_BITS['int4']:g} bits/weight)", weights="int4"))
     if prof.has_gpu:
         out.append(attempt(f"PCIe x2 ({prof.pcie_gbps:g} -> {2 * prof.pcie_gbps:g} GB/s)",
                            prof.with_changes(pcie_gbps=2 * prof.pcie_gbps)))

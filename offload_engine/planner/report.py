@@ -28,6 +28,15 @@ class WhatIf:
                 "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
                 "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
 
+def unit_bytes_by_kind(units: dict) -> dict[str, dict[str, int]]:
+    """Per kind of the units placed: how many, the largest (what a slot holds) and the smallest, in bytes."""
+    out: dict[str, dict[str, int]] = {}
+    for key, n in units.items():
+        cur = out.setdefault(key.kind, {"units": 0, "largest": 0, "smallest": n})
+        cur.update(units=cur["units"] + 1, largest=max(cur["largest"], n), smallest=min(cur["smallest"], n))
+    return out
+
+
 def placement_summary(p: Plan) -> dict[str, Any]:
     """Per kind: where it lives and its cache slots per tier, in units and in % of the kind's units."""
     out = {}
@@ -82,6 +91,7 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
         "params_other": dict(p.shape.extra_params), "params_by_kind": c.by_kind,
         "weights": p.fmt.name, "bytes_total": p.bytes_total, "bytes_by_kind": bytes_by_kind,
         "bytes_mtp": sum(n for k, n in p.unit_bytes.items() if k in p.shape.mtp.units),
+        "unit_bytes_by_kind": unit_bytes_by_kind(p.unit_bytes),
         "hardware": p.profile.name, "context": p.options.context,
         "budget": {t.name: t.budget for t in p.placement.tiers},
         "direct_io": p.direct_io,
