@@ -170,12 +170,14 @@ def _compressed_tensors(name: str, w: torch.Tensor, quant: str, opts: QuantOptio
         lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
         scale = ((hi - lo) / (qmax - qmin)).clamp(min=1e-8)
         zero = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int8)
+    scale = scale.to(torch.bfloat16).float()  # the releases store bf16 scales; quantize with the stored value
     state = {"weight": w, "weight_scale": scale}
     if zero is not None:
         state["weight_zero_point"] = zero
     compressor = {"float": FloatQuantizationCompressor, "int-quantized": IntQuantizationCompressor}.get(
         a.type if a.type == "float" else opts.ct_format, PackedQuantizationCompressor)
     packed = compressor.compress(state, scheme)
+    packed["weight_scale"] = packed["weight_scale"].to(torch.bfloat16)
     return {name + k.removeprefix("weight"): v for k, v in packed.items()}  # x.weight_packed / fused x_packed
 
 

@@ -15,9 +15,9 @@ from ..checkpoint.quant_config import QuantConfig
 FLOAT_BITS = {"F64": 64.0, "F32": 32.0, "BF16": 16.0, "F16": 16.0}
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
 # the scales' dtype where the checkpoint's headers do not say: fp8 blocks' weight_scale_inv is float32 in the
-# releases; compressed-tensors as tools/quant_writers.py writes it (float32; releases: the model's bf16); GPTQ and
+# releases; compressed-tensors bf16 (the releases' model dtype, as tools/quant_writers.py writes it); GPTQ and
 # AWQ fp16; MXFP4 e8m0 bytes
-SCALE_DTYPES = {"fp8_block": "F32", "ct_pack": "F32", "ct_naive": "F32", "gptq": "F16", "awq": "F16", "mxfp4": "U8"}
+SCALE_DTYPES = {"fp8_block": "F32", "ct_pack": "BF16", "ct_naive": "BF16", "gptq": "F16", "awq": "F16", "mxfp4": "U8"}
 # kept as stored by the writers and the releases (tools/quant_writers._KEEP, and gpt-oss's router)
 _KEEP = re.compile(r"(embed_tokens|lm_head|shared_head\.head|norm|mlp\.gate$|shared_expert_gate$|router|visual\.)")
 
