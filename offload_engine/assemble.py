@@ -32,6 +32,7 @@ from .planner.kv import kv_bytes
 from .planner.placement import Placement
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
+from .runtime.arch import build_ops
 from .runtime.host_compute import HostCompute, measure_machine
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
@@ -91,7 +92,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
     resolved = config.budget.resolve(checkpoint.index.total_bytes)
     context = config.max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
-    ops = checkpoint.arch.ops(checkpoint.args, device, dtype)
+    ops = build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
 
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:

@@ -50,7 +50,9 @@ def checkpoints(checkpoint_factory):
 
 def kv_bytes(ck, context: int) -> int:
     """As Engine.open reserves it (float32 compute on CPU): KV per position, plus recurrent state if any."""
-    ops = ck.arch.ops(ck.args, CPU, torch.float32)
+    from offload_engine.runtime.arch import build_ops
+
+    ops = build_ops(ck.arch.name, ck.args, CPU, torch.float32)
     n = context * ops.kv_bytes_per_token(4)
     if hasattr(ops, "state_bytes"):
         n += ops.state_bytes(4, rollback=getattr(kv_cache, "ROLLBACK", 0))

@@ -12,7 +12,8 @@ from offload_engine.checkpoint.hf_config import parse_config  # noqa: E402
 from offload_engine.checkpoint.model import open_model  # noqa: E402
 from offload_engine.checkpoint.naming import UnitKey  # noqa: E402
 from offload_engine.errors import ConfigError  # noqa: E402
-from offload_engine.runtime.arch.deepseek_v3 import ARCH  # noqa: E402
+from offload_engine.checkpoint.arch.deepseek_v3 import NAMING as ARCH  # noqa: E402
+from offload_engine.runtime.arch import build_ops  # noqa: E402
 from offload_engine.runtime.model import CausalLM  # noqa: E402
 from offload_engine.store.resident import ResidentWeights  # noqa: E402
 
@@ -142,7 +143,7 @@ def test_router_matches_transformers(overrides):
     x = torch.randn(200, config.hidden_size, generator=g)
     _, ref_weights, ref_idx = router(x)
     spec = parse_config(config.to_dict())
-    ops = ARCH.ops(ARCH.args(spec), torch.device("cpu"), torch.float32)
+    ops = build_ops(ARCH.name, ARCH.args(spec), torch.device("cpu"), torch.float32)
     w = {"mlp.gate.weight": router.weight.data, "mlp.gate.e_score_correction_bias": router.e_score_correction_bias}
     idx, weights = ops.route(1, w, x)
     assert torch.equal(idx, ref_idx)
@@ -192,7 +193,7 @@ def test_released_config_rope_and_softmax_scale_match_transformers():
     a = ARCH.args(spec)
     assert a.softmax_scale == ref.yarn_apply_mscale(config.rope_parameters, config.qk_head_dim ** -0.5)
     assert a.moe_layers == frozenset(range(3, 61)) and a.qk_head_dim == 192
-    ops = ARCH.ops(a, torch.device("cpu"), torch.float32)
+    ops = build_ops(ARCH.name, a, torch.device("cpu"), torch.float32)
     rotary = ref.DeepseekV3RotaryEmbedding(config)
     assert torch.equal(ops.rotary.inv_freq, rotary.inv_freq)
     assert ops.rotary.attention_scaling == rotary.attention_scaling

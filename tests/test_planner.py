@@ -159,7 +159,9 @@ def test_planned_sizes_and_placement_equal_the_store(checkpoint_factory, arch):
     assert sum(units.values()) == ck.total_bytes
     ram = int(ck.total_bytes * 0.6) + (1 << 20)  # + the O_DIRECT bounce buffers of a tiny model
     p = plan(shape, CPU, PlanOptions(ram=ram, context=64, direct_io="on"))
-    ops = ck.arch.ops(ck.args, torch.device("cpu"), torch.float32)
+    from offload_engine.runtime.arch import build_ops
+
+    ops = build_ops(ck.arch.name, ck.args, torch.device("cpu"), torch.float32)
     engine, direct = plan_for(ck, ResolvedBudget(device=None, host=ram), torch.device("cpu"),
                               64 * ops.kv_bytes_per_token(4), "on")
     assert p.kv_bytes == 64 * ops.kv_bytes_per_token(4)

@@ -15,7 +15,8 @@ from offload_engine import Budget, Engine
 from offload_engine.checkpoint.hf_config import parse_config
 from offload_engine.checkpoint.index import CheckpointIndex
 from offload_engine.errors import CheckpointError
-from offload_engine.runtime.arch import get_architecture
+from offload_engine.checkpoint.arch import get_naming
+from offload_engine.runtime.arch import build_ops
 from offload_engine.runtime.kv_cache import KVCache, _StateHistory
 from offload_engine.runtime.layers import causal_mask
 
@@ -83,7 +84,7 @@ def test_released_qwen3_5_layout_and_mtp_names(checkpoint_factory):
     assert cfg["text_config"]["mtp_num_hidden_layers"] == 1
     index = CheckpointIndex.open(path)
     spec = parse_config({**cfg["text_config"], "model_type": cfg["model_type"]})
-    arch = get_architecture(spec.model_type)
+    arch = get_naming(spec.model_type)
     args = arch.args(spec)
     names = set(index.tensors)
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names  # fused, like the releases
@@ -242,11 +243,11 @@ def test_state_and_kv_bytes_of_a_released_config():
         "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}})
-    arch = get_architecture(spec.model_type)
-    ops = arch.ops(arch.args(spec), torch.device("cpu"), torch.bfloat16)
+    arch = get_naming(spec.model_type)
+    ops = build_ops(arch.name, arch.args(spec), torch.device("cpu"), torch.bfloat16)
     assert ops.kv_bytes_per_token(2) == 2 * 2 * 256 * 10 * 2
     conv, recurrent = 3 * (2 * 16 * 128 + 32 * 128) * 2, 32 * 128 * 128 * 4
     assert ops.state_bytes(2) == 30 * (conv + recurrent)
     assert ops.rotary.rotary_dim == 64
     spec = parse_config({**spec.raw, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}})
-    assert arch.ops(arch.args(spec), torch.device("cpu"), torch.bfloat16).rotary.rotary_dim == 64  # the default
+    assert build_ops(arch.name, arch.args(spec), torch.device("cpu"), torch.bfloat16).rotary.rotary_dim == 64  # the default

@@ -171,7 +171,9 @@ def test_units_and_layout(checkpoint_factory, arch):
         {UnitKey(N, "mtp")} | {UnitKey(N, "expert", e) for e in range(E)})
     assert not [n for n in ck.unused_tensors if n.startswith("mtp.")]
     assert ck.fused_experts == (arch == "qwen3_5_moe")
-    ops = ck.arch.ops(ck.args, torch.device("cpu"), torch.float32)
+    from offload_engine.runtime.arch import build_ops
+
+    ops = build_ops(ck.arch.name, ck.args, torch.device("cpu"), torch.float32)
     assert not ck.args.is_linear(N) and ops.is_moe(N)  # the MTP layer: full attention, MoE
 
 

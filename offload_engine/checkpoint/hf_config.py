@@ -7,6 +7,7 @@ the architecture's own `ModelArgs.from_spec`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +16,11 @@ from ..errors import CheckpointFormatError
 from .index import TORCH_DTYPE_NAMES
 
 MAX_LAYERS = 4096  # sanity cap (cf. llama.cpp #25821): real models have < 200
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `scale` times (DeepSeek's softmax scale uses it too)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import CheckpointFormatError
+from .arch import get_naming
 from .formats import QuantSpec, WeightFormats, quantize_schema
 from .hf_config import ModelSpec, parse_config
 from .index import FLOAT_DTYPES, TORCH_DTYPE_NAMES, CheckpointIndex
@@ -38,7 +39,7 @@ class ModelCheckpoint:
     root: Path
     index: CheckpointIndex
     spec: ModelSpec
-    arch: Any  # runtime.arch.base.Architecture
+    arch: Any  # the architecture's naming half (checkpoint/arch/): name, args, schema, mtp_schema
     args: Any  # the architecture's ModelArgs
     schema: ModelSchema
     layouts: dict[UnitKey, UnitLayout]
@@ -63,12 +64,10 @@ class ModelCheckpoint:
 
 def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelCheckpoint:
     """Open a Hugging Face folder and check every tensor the config implies: presence, shape, dtype."""
-    from ..runtime.arch import get_architecture  # the architectures own the naming tables
-
     index = CheckpointIndex.open(path)
     config_path = index.root / "config.json"
     spec = parse_config(index.config, config_path)
-    arch = get_architecture(spec.model_type, config_path)
+    arch = get_naming(spec.model_type, config_path)
     if spec.num_layers > len(index.tensors):
         raise CheckpointFormatError(config_path, f"num_hidden_layers={spec.num_layers} but the checkpoint holds only "
                                                  f"{len(index.tensors)} tensors")

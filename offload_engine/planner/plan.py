@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..checkpoint.arch import get_naming, supported_model_types
 from ..checkpoint.hf_config import ModelSpec, parse_config
 from ..checkpoint.naming import ModelSchema, UnitKey
 from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
@@ -119,10 +120,9 @@ class ModelShape:
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
-    from ..runtime.arch import get_architecture, supported_model_types
 
     if spec.model_type in supported_model_types():
-        arch = get_architecture(spec.model_type, spec.path or "config.json")
+        arch = get_naming(spec.model_type, spec.path or "config.json")
         args = arch.args(spec)
         mtp = arch.mtp_schema(args) if hasattr(arch, "mtp_schema") else ModelSchema()
         shape = ModelShape(spec, arch.schema(args), mtp, "runtime")

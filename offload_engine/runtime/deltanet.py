@@ -18,47 +18,16 @@ causal_conv1d_fn/update), so fp32 logits match to rounding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.arch.qwen3_next import DeltaNetDims
 from .kv_cache import KVCache
 
 CHUNK = 64  # transformers' chunk size for the chunked rule
 L2_EPS = 1e-6  # l2norm epsilon of the reference (and FLA)
 
 State = tuple[torch.Tensor, torch.Tensor]  # (conv state [K-1, C], recurrent state [Hv, dk, dv] float32)
-
-
-@dataclass(frozen=True)
-class DeltaNetDims:
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.v_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    def state_bytes(self, itemsize: int) -> int:
-        """One layer, one sequence: conv state in the compute dtype plus the float32 recurrent state."""
-        conv = (self.conv_kernel - 1) * self.conv_dim * itemsize
-        return conv + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
-
-    def log_bytes_per_token(self, itemsize: int) -> int:
-        """What one logged position costs: its conv input row, plus k, v, g, beta in float32."""
-        return self.conv_dim * itemsize + 4 * self.num_v_heads * (self.k_head_dim + self.v_head_dim + 2)
 
 
 # ---- pieces ---------------------------------------------------------------------------------------------

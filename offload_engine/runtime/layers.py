@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.hf_config import RopeSpec
+from ..checkpoint.hf_config import RopeSpec, yarn_mscale
 from ..errors import ConfigError
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -39,10 +39,6 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------------------
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """inv_freq [dim/2] and the cos/sin attention scaling, per rope type (transformers' modeling_rope_utils)."""
     dim = int(head_dim * rope.partial_rotary_factor)

@@ -11,6 +11,7 @@ from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from ..constants import PREFILL_CHUNK
 from ..errors import BudgetError, out_of_memory_as_error
+from .arch import build_ops
 from .arch.base import LayerOps
 from .kv_cache import KVCache
 from .layers import causal_mask
@@ -35,7 +36,7 @@ class CausalLM:
         self.spec = checkpoint.spec
         self.source = source
         self.device, self.dtype = device, dtype
-        self.ops = ops if ops is not None else checkpoint.arch.ops(checkpoint.args, device, dtype)
+        self.ops = ops if ops is not None else build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions

@@ -1,35 +1,26 @@
-"""Architecture registry: config.json `model_type` -> architecture module (mlx-lm's convention)."""
+"""Architecture registry, ops half: the naming half's family name -> the class of its per-layer ops.
+
+The naming half (args, tensors) is checkpoint/arch/; an opened checkpoint carries it (`ModelCheckpoint.arch`, whose
+`name` keys this table) and its parsed args. StandardOps computes every family that differs only in flags.
+"""
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-from types import MappingProxyType
-from typing import Mapping
+import torch
 
 from ...errors import CheckpointError
+from .base import LayerOps, StandardOps
+from .deepseek_v3 import DeepseekV3Ops
+from .qwen3_next import HybridOps
 
-# model_type -> module under offload_engine.runtime.arch (a fixed table: nothing is imported by name from config)
-_MODULES = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
-    "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
-    "kimi_k2": "deepseek_v3",  # Kimi K2 ships DeepseekV3ForCausalLM under its own model_type
-    "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",  # transformers' text-only Qwen3_5MoeForCausalLM saves this model_type
-}
+OPS = {"llama": StandardOps, "qwen2": StandardOps, "qwen3": StandardOps, "mixtral": StandardOps,
+       "qwen2_moe": StandardOps, "qwen3_moe": StandardOps, "deepseek_v3": DeepseekV3Ops,
+       "qwen3_next": HybridOps, "qwen3_5_moe": HybridOps}
 
 
-def architecture_modules() -> Mapping[str, str]:
-    """The registry: model_type -> module name under offload_engine.runtime.arch (read-only)."""
-    return MappingProxyType(_MODULES)
-
-
-def supported_model_types() -> list[str]:
-    return sorted(_MODULES)
-
-
-def get_architecture(model_type: str, config_path: Path | str = "config.json"):
-    module = _MODULES.get(model_type)
-    if module is None:
-        raise CheckpointError(config_path, f"unsupported model_type {model_type!r}; supported: "
-                                           f"{', '.join(supported_model_types())}")
-    return importlib.import_module(f"{__name__}.{module}").ARCH
+def build_ops(name: str, args, device: torch.device, dtype: torch.dtype) -> LayerOps:
+    """The ops of the architecture whose naming half is called `name` (ModelCheckpoint.arch.name), for `args`."""
+    cls = OPS.get(name)
+    if cls is None:
+        raise CheckpointError("config.json", f"architecture {name!r} has no runtime ops; implemented: "
+                                             f"{', '.join(sorted(OPS))}")
+    return cls(args, device, dtype)

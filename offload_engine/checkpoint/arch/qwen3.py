@@ -1,6 +1,6 @@
 """Qwen3 dense decoders: per-head RMSNorm on Q and K before RoPE."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming
 from .qwen2 import check_no_sliding_window
 
 
@@ -10,4 +10,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
     return DecoderArgs(spec, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-ARCH = StandardDecoder("qwen3", _args)
+NAMING = StandardNaming("qwen3", _args)

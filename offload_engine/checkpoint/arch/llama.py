@@ -1,6 +1,6 @@
 """Llama 2/3 (and Mistral-style) dense decoders."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming
 
 
 def _args(spec: ModelSpec) -> DecoderArgs:
@@ -10,4 +10,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
     return DecoderArgs(spec, qkv_bias=bias, o_bias=bias)
 
 
-ARCH = StandardDecoder("llama", _args)
+NAMING = StandardNaming("llama", _args)

@@ -1,6 +1,6 @@
 """Mixtral: every layer routed (softmax top-k, renormalized); experts under `block_sparse_moe` as w1/w3/w2."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder, sparse_layers
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming, sparse_layers
 
 
 def _args(spec: ModelSpec) -> DecoderArgs:
@@ -9,4 +9,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
                        norm_topk_prob=True)
 
 
-ARCH = StandardDecoder("mixtral", _args)
+NAMING = StandardNaming("mixtral", _args)

@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5 dense decoders: biased Q/K/V projections."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming
 
 
 def check_no_sliding_window(spec: ModelSpec) -> None:
@@ -13,4 +13,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
     return DecoderArgs(spec, qkv_bias=True)
 
 
-ARCH = StandardDecoder("qwen2", _args)
+NAMING = StandardNaming("qwen2", _args)

@@ -1,6 +1,6 @@
 """Qwen1.5/Qwen2-MoE: biased Q/K/V, routed experts plus a sigmoid-gated shared expert."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder, sparse_layers
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming, sparse_layers
 from .qwen2 import check_no_sliding_window
 
 
@@ -16,4 +16,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
                        shared_intermediate_size=int(spec.get("shared_expert_intermediate_size") or 0))
 
 
-ARCH = StandardDecoder("qwen2_moe", _args)
+NAMING = StandardNaming("qwen2_moe", _args)

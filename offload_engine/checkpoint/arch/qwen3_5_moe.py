@@ -9,8 +9,8 @@ model_type "qwen3_5_moe"): the language model's fields sit under `text_config`, 
 sections (`mrope_section`) all reduce to plain partial RoPE. transformers' text-only class
 (`Qwen3_5MoeForCausalLM`, model_type "qwen3_5_moe_text") saves the same model with a flat config and `model.` names.
 """
-from ...checkpoint.hf_config import ModelSpec
-from .qwen3_next import HybridArgs, HybridDecoder, hybrid_args
+from ..hf_config import ModelSpec
+from .qwen3_next import HybridArgs, HybridNaming, hybrid_args
 
 WRAPPED = {"qwen3_5_moe": "model.language_model."}  # vision-language releases: where the text model's tensors are
 
@@ -21,4 +21,4 @@ def _args(spec: ModelSpec) -> HybridArgs:
                        prefix=WRAPPED.get(spec.model_type, "model."))
 
 
-ARCH = HybridDecoder("qwen3_5_moe", _args)
+NAMING = HybridNaming("qwen3_5_moe", _args)

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention (QK-norm), softmax top-k experts, no shared expert."""
-from ...checkpoint.hf_config import ModelSpec
-from .base import DecoderArgs, StandardDecoder
+from ..hf_config import ModelSpec
+from .base import DecoderArgs, StandardNaming
 from .qwen2 import check_no_sliding_window
 from .qwen2_moe import moe_layers
 
@@ -13,4 +13,4 @@ def _args(spec: ModelSpec) -> DecoderArgs:
                        norm_topk_prob=bool(spec.get("norm_topk_prob", False)))
 
 
-ARCH = StandardDecoder("qwen3_moe", _args)
+NAMING = StandardNaming("qwen3_moe", _args)
