@@ -78,10 +78,12 @@ def ref_compressed_tensors(parts: dict, config: dict) -> torch.Tensor:
     return compressor.decompress(state, scheme)["weight"].float()
 
 
-def ref_mxfp4(blocks, scales) -> torch.Tensor:
+def ref_mxfp4(blocks, scales, input_major: bool = False) -> torch.Tensor:
+    """transformers' dequantization gives gpt-oss's [E, in, out]; other fused experts are stored [E, out, in]."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2).contiguous()
+    dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    return dense.contiguous() if input_major else dense.transpose(1, 2).contiguous()
 
 
 def dequantized_folder(qpath: Path, out: Path) -> Path:
@@ -119,7 +121,7 @@ def dequantized_folder(qpath: Path, out: Path) -> Path:
                 plain[m + ".weight"] = ref_awq(t, tensors[m + ".qzeros"], tensors[m + ".scales"], qc["group_size"])
         elif name.endswith("_blocks"):
             m = name.removesuffix("_blocks")
-            plain[m] = ref_mxfp4(t, tensors[m + "_scales"])
+            plain[m] = ref_mxfp4(t, tensors[m + "_scales"], input_major=config["model_type"] == "gpt_oss")
         elif not name.endswith(("_scale_inv", "_scale", "_shape", "_zero_point", ".qzeros", ".scales", ".g_idx",
                                 "_scales")):
             plain[name] = t.float() if t.is_floating_point() else t

@@ -39,12 +39,12 @@ except ModuleNotFoundError:  # run as a script: tools/ is on sys.path, the repo 
     from quant_writers import QUANTS, QuantOptions, quantize_folder  # type: ignore[no-redef]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next",
-         "qwen3_5_moe_text")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
+         "qwen3_5_moe_text", "gpt_oss")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text", "gpt_oss")
 # Released as vision-language checkpoints: nested text_config, language model under model.language_model.*
 VLM_ARCHS = ("qwen3_5_moe",)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention, with MTP
-FUSED_RELEASES = ("qwen3_5_moe",)  # archs whose releases store routed experts fused ([E, 2I, H] / [E, H, I])
+FUSED_RELEASES = ("qwen3_5_moe", "gpt_oss")  # archs whose releases store routed experts fused (gpt-oss: always)
 ZERO_CENTERED_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight")
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML = (
@@ -176,6 +176,13 @@ def arch_config(arch: str, p: Preset, vocab: int, eot: int, mtp_layers: int = 1)
             qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim)
     if arch in HYBRID_ARCHS:
         return hybrid_config(arch, p, kw, moe, dense, mtp_layers)
+    if arch == "gpt_oss":  # sinks, biases, clamped SwiGLU, YaRN; a 4-position window so short prompts slide
+        kw.pop("rope_theta")
+        return tf.GptOssConfig(**{**kw, "intermediate_size": p.moe_intermediate}, head_dim=p.head_dim,
+                               num_local_experts=p.experts, num_experts_per_tok=p.top_k, sliding_window=4,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": p.max_pos // 4})
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + VLM_ARCHS}")
 
 
@@ -352,6 +359,8 @@ def make_checkpoint(arch: str, preset: str, out: str | os.PathLike, *, seed: int
     if mtp and arch != "deepseek_v3" and arch not in HYBRID_ARCHS:
         raise ValueError(f"--mtp N adds multi-token-prediction layers: it needs --arch deepseek_v3 or one of "
                          f"{HYBRID_ARCHS}, not {arch!r}")
+    if arch == "gpt_oss" and quant not in (None, "mxfp4"):
+        raise ValueError(f"gpt_oss is released in mxfp4 only; --quant {quant} is not written for it")
     if mtp is None:
         mtp = 1 if arch in HYBRID_ARCHS else 0
     if fused_experts is None:

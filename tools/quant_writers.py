@@ -17,6 +17,7 @@ Quantized: every linear weight of the decoder (and MTP) layers; kept: embeddings
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class QuantOptions:
     bits: int = 4  # gptq
     desc_act: bool = False  # gptq act-order: a random permutation of the groups (g_idx)
     seed: int = 0
+    input_major_experts: bool = False  # fused experts stored [E, in, out] (gpt-oss in bf16): mxfp4 blocks the input
 
 
 def quantizable(name: str, t: torch.Tensor) -> bool:
@@ -54,6 +56,8 @@ def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions(
     if quant not in QUANTS:
         raise ValueError(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
     gen = torch.Generator().manual_seed(opts.seed)
+    if json.loads((folder / "config.json").read_text()).get("model_type") == "gpt_oss":
+        opts = dataclasses.replace(opts, input_major_experts=True)
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     weight_map = {}
@@ -114,7 +118,7 @@ def quantize_tensor(name: str, t: torch.Tensor, quant: str, opts: QuantOptions, 
     """One quantizable tensor -> its stored components under the release's names (None: the format keeps it)."""
     fused = _FUSED.search(name) is not None
     if quant == "mxfp4":
-        return _mxfp4(name, t) if fused else None
+        return _mxfp4(name, t.transpose(1, 2) if opts.input_major_experts else t) if fused else None
     if fused:  # one expert at a time, stacked back: [E, ...] components
         per = [_quantize_2d(name, t[e], quant, opts, gen) for e in range(t.shape[0])]
         return {k: torch.stack([p[k] for p in per]) for k in per[0]}

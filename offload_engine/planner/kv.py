@@ -41,19 +41,17 @@ def linear_state_bytes(spec: ModelSpec, itemsize: int, rollback: int = 0) -> int
 
 def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int = 0,
              mtp_positions: int | None = None, rollback: int = 0) -> int:
-    """Per-sequence state for `positions`: every attention layer's KV (a sliding layer's up to its window), each
-    linear-attention layer's fixed state (with `rollback` logs), and `mtp_layers` MTP layers' own caches of
-    `mtp_positions` (default `positions`) entries each."""
+    """Per-sequence state for `positions`: every attention layer's KV, each linear-attention layer's fixed state
+    (with `rollback` logs), and `mtp_layers` MTP layers' own caches of `mtp_positions` (default `positions`) entries
+    each. A sliding-window layer (gpt-oss) is charged every position: runtime/kv_cache.py keeps a full-length cache
+    for it and masks to the window (a ring buffer of `sliding_window` entries would save the rest)."""
     per_token = layer_kv_bytes_per_token(spec, itemsize)
-    window = spec.get("sliding_window") or positions
     # MLA (DeepSeek): every layer caches its latent, whatever else the config says
     types = ["full_attention"] * spec.num_layers if spec.get("kv_lora_rank") else layer_types(spec)
     total = 0
     for t in types:
-        if t == "full_attention":
+        if t in ("full_attention", "sliding_attention"):
             total += per_token * positions
-        elif t == "sliding_attention":
-            total += per_token * min(positions, window)
         else:
             total += linear_state_bytes(spec, itemsize, rollback)
     return total + mtp_layers * per_token * (positions if mtp_positions is None else mtp_positions)

@@ -22,7 +22,7 @@ from . import costs, kv
 from .formats import WeightFormat, unit_bytes
 from .hardware import HardwareProfile
 from .placement import Placement, place
-from .planning_only import PLANNING_ONLY, gpt_oss_schema, vision_params
+from .planning_only import vision_params
 from .sizes import param_counts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -130,11 +130,8 @@ def model_shape(spec: ModelSpec) -> ModelShape:
             # DeepSeek-style releases store embed_tokens / shared_head.head copies in each MTP layer: counted as
             # parameters (DeepSeek-V3's 685 B = 671 B + 14 B), not placed (the trunk's are shared)
             shape.mtp_shared_params = 2 * spec.get("num_nextn_predict_layers") * spec.vocab_size * spec.hidden_size
-    elif spec.model_type == "gpt_oss":
-        shape = ModelShape(spec, gpt_oss_schema(spec), ModelSchema(), "planning-only")
     else:
-        raise ConfigError(f"{spec.path}: model_type {spec.model_type!r} has neither a runtime architecture nor a "
-                          f"planning-only schema; planning-only: {', '.join(PLANNING_ONLY)}; runtime: "
+        raise ConfigError(f"{spec.path}: unsupported model_type {spec.model_type!r}; supported: "
                           f"{', '.join(supported_model_types())}")
     vision = spec.get("vision_config")
     if isinstance(vision, dict) and vision.get("depth"):

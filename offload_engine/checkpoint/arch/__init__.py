@@ -23,6 +23,7 @@ _MODULES = {
     "kimi_k2": "deepseek_v3",  # Kimi K2 ships DeepseekV3ForCausalLM under its own model_type
     "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",  # transformers' text-only Qwen3_5MoeForCausalLM saves this model_type
+    "gpt_oss": "gpt_oss",
 }
 
 

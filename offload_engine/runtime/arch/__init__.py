@@ -10,11 +10,12 @@ import torch
 from ...errors import CheckpointError
 from .base import LayerOps, StandardOps
 from .deepseek_v3 import DeepseekV3Ops
+from .gpt_oss import GptOssOps
 from .qwen3_next import HybridOps
 
 OPS = {"llama": StandardOps, "qwen2": StandardOps, "qwen3": StandardOps, "mixtral": StandardOps,
        "qwen2_moe": StandardOps, "qwen3_moe": StandardOps, "deepseek_v3": DeepseekV3Ops,
-       "qwen3_next": HybridOps, "qwen3_5_moe": HybridOps}
+       "qwen3_next": HybridOps, "qwen3_5_moe": HybridOps, "gpt_oss": GptOssOps}
 
 
 def build_ops(name: str, args, device: torch.device, dtype: torch.dtype) -> LayerOps:
