@@ -95,7 +95,8 @@ def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema,
             rec = index.tensors.get(ts.hf_name)
             if rec is None:
                 raise CheckpointFormatError(index.root, f"tensor missing: config.json (model_type={spec.model_type}) "
-                                                        f"implies it for unit {key} with shape {list(ts.shape)}",
+                                                        f"implies it for unit {key} with shape {list(ts.shape)}"
+                                                        f"{_siblings(index, ts.hf_name) if quantized else ''}",
                                             tensor=ts.hf_name)
             expected = ts.shape if ts.index is None else None
             if ts.index is not None:
@@ -120,3 +121,10 @@ def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema,
             rec.file, f"dtype {rec.dtype} disagrees with config.json torch_dtype={spec.dtype} (expected {want})"
                       f"{'; also ' + more if more else ''} ({len(dtype_mismatches)} tensors in all)",
             tensor=rec.name, hint="pass allow_cast=True (CLI: --allow-cast) to convert")
+
+
+def _siblings(index: CheckpointIndex, hf_name: str) -> str:
+    """A quantized weight whose data tensor is gone while its scales remain: say what is there."""
+    stem = hf_name.removesuffix(".weight")
+    found = sorted(n for n in index.tensors if n.startswith(stem) and n != hf_name and n[len(stem)] in "._")
+    return f" (only {', '.join(found[:4])} found: its quantized data tensor is missing)" if found else ""
