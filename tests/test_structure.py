@@ -164,3 +164,12 @@ def test_no_test_or_tool_touches_a_private_attribute():
                   and isinstance(node.args[1], ast.Constant) and node.args[1].value in private):
                 found.append(f"{where}:{node.lineno} setattr(..., {node.args[1].value!r})")
     assert not found, "tests and tools use the package's public surface only:\n" + "\n".join(found)
+
+
+def test_every_architecture_has_both_halves():
+    """A family registered for the checkpoint (naming: args, tensors) has ops for the runtime, and back."""
+    from offload_engine.checkpoint.arch import architecture_modules, get_naming
+    from offload_engine.runtime.arch import OPS
+
+    names = {get_naming(model_type).name for model_type in architecture_modules()}
+    assert names == set(OPS), f"naming without ops: {names - set(OPS)}; ops without naming: {set(OPS) - names}"
