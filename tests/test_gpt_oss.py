@@ -51,3 +51,45 @@ def test_bad_config_is_refused_by_name(tmp_path, checkpoint_factory):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sliding_window"):
         Engine.open(path)
+
+
+def test_the_window_and_the_sinks_change_the_output(checkpoint_factory):
+    """The test model exercises what the parity tests claim: a full window, or sinks of -inf, change transformers'
+    logits (so matching them is not an accident of short prompts or negligible sinks)."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_factory("gpt_oss", "offload"),
+                                                            dtype=torch.float32).eval()
+    ids = torch.arange(1, 41)[None]
+    with torch.no_grad():
+        base = ref(ids).logits
+        ref.config.layer_types = ["full_attention"] * len(ref.model.layers)
+        wide = ref(ids).logits
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.fill_(-1e30)
+        no_sinks = ref(ids).logits
+    assert (wide - base).abs().max() > 1e-3 and (no_sinks - wide).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_speculative_trees_are_lossless(checkpoint_factory, width):
+    """Draft trees through the sliding layers: a branch's keys carry their own positions in the window mask. The
+    self-drafter (the model on its resident experts: all of them here) drafts every step, most of it accepted."""
+    from offload_engine.generate.decoder import FinishEvent, GenerationState, drive
+    from offload_engine.generate.sampling import Sampler, SamplingParams
+    from offload_engine.speculative.stepper import make_stepper
+
+    with Engine.open(checkpoint_factory("gpt_oss", "offload"), dtype="float32", max_context=96) as engine:
+        ids = list(range(3, 51))
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        runs = {}
+        for spec in ("off", "self"):
+            cache = engine.model.new_cache(len(ids) + params.max_new_tokens)
+            stepper = make_stepper(engine.model, cache, Sampler(params), spec, depth=3, width=width,
+                                   store=engine.store, tokenizer=engine.tokenizer)
+            events = list(drive(stepper, ids, GenerationState(params, engine.tokenizer)))
+            assert isinstance(events[-1], FinishEvent)
+            runs[spec] = (events[-1].token_ids, stepper)
+    assert runs["self"][0] == runs["off"][0]
+    stats = runs["self"][1].stats
+    assert stats.spec_steps > 3 and stats.drafted >= stats.spec_steps * width and stats.accepted > stats.spec_steps

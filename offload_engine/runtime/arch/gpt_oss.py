@@ -38,8 +38,6 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 class GptOssOps(StandardOps):
-    supports_trees = False  # the sliding window is drawn from cache order, which a draft tree's branches break
-
     def __init__(self, a: GptOssArgs, device: torch.device, dtype: torch.dtype):
         super().__init__(a, device, dtype)
         self.a: GptOssArgs = a
@@ -65,11 +63,18 @@ class GptOssOps(StandardOps):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.append(layer, k, v)
-        if self.a.is_sliding(layer):  # keys in cache order are positions 0..S-1 (linear chains only)
-            keys = torch.arange(k_all.shape[0], device=x.device)
-            mask = mask & (keys[None, :] > positions[:, None] - self.a.sliding_window)
+        if self.a.is_sliding(layer):
+            mask = mask & self._window(positions, k_all.shape[0])
         out = attention_with_sinks(q, k_all, v_all, mask, D ** -0.5, w["self_attn.sinks"])
         return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+
+    def _window(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[T, S]: keys within each query's window (transformers: key position > query position - window). The
+        committed entries sit at positions 0..S-T-1 (cache order), this forward's at `positions` (a draft tree's
+        nodes may share one)."""
+        T = positions.shape[0]
+        keys = torch.cat([torch.arange(kv_len - T, device=positions.device), positions])
+        return keys[None, :] > positions[:, None] - self.a.sliding_window
 
     def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x, w, "mlp.router.weight", "mlp.router.bias")
