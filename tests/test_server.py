@@ -234,3 +234,26 @@ def test_cli_serve_refuses_open_bind_without_key():
     proc = subprocess.run([sys.executable, "-m", "offload_engine.cli", "serve", "--host", "0.0.0.0"],
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--api-key" in proc.stderr
+
+
+def test_five_turns_through_the_client_reuse_the_history(client, engine):
+    """Each turn prefills only what the engine's cache did not hold (the new turn), answers equal fresh prefills."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    held = 0
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn} + 1?"})
+        ids = engine.tokenizer.encode_chat(messages)
+        r = client.chat.completions.create(model="demo-model", messages=messages, max_tokens=8, temperature=0)
+        stats = r.model_extra["offload_engine"]
+        assert stats["reused_prompt_tokens"] == held and stats["prefilled_tokens"] == len(ids) - held
+        answer = r.choices[0].message.content
+        engine.reuse_prefix = False
+        try:
+            want = engine.generate(ids, max_new_tokens=8, temperature=0)
+        finally:
+            engine.reuse_prefix = True
+        assert answer == want.text and r.usage.completion_tokens == len(want.token_ids)
+        # the fresh run above replaced the kept cache: rerun the turn so the next one can extend it
+        engine.generate(ids, max_new_tokens=8, temperature=0)
+        held = len(ids) + len(want.token_ids) - 1
+        messages.append({"role": "assistant", "content": answer})
