@@ -193,13 +193,18 @@ def engine_config(args: argparse.Namespace) -> Any:
                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
 
 
+def _check_threads(threads: str) -> None:
+    from .errors import ConfigError
+
+    if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
+        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
     from .defaults import default_model_path
-    from .errors import ConfigError
 
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
+    _check_threads(args.threads)
     model = args.model or default_model_path()
     config = engine_config(args)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
@@ -217,6 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .defaults import default_model_path
     from .server.command import serve
 
+    _check_threads(args.threads)
     check_serve_flags(args)  # before loading: a refused bind costs no load
     engine = Engine.open(args.model or default_model_path(), engine_config(args))
     try:

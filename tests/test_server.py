@@ -257,3 +257,39 @@ def test_five_turns_through_the_client_reuse_the_history(client, engine):
         engine.generate(ids, max_new_tokens=8, temperature=0)
         held = len(ids) + len(want.token_ids) - 1
         messages.append({"role": "assistant", "content": answer})
+
+
+def test_a_full_queue_answers_429(engine):
+    """max_queue 1: with the engine held (a stream iterated here), one request waits on the engine in the worker,
+    one waits in the queue, and the third is refused with an error object; all run once the engine is free."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerSettings(model_id="demo-model", max_queue=1)),
+                                           log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    body = {"prompt": "def f(x):", "max_tokens": 2}
+    held = engine.stream("x", max_new_tokens=4)
+    next(held)  # this thread holds the engine now
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 10
+            while not httpx.get(url + "/health").json()["busy"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            waiting = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+            while httpx.get(url + "/health").json()["queue_length"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            third = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert third.status_code == 429 and third.json()["error"]["code"] == "queue_full"
+            held.close()  # the engine is free: both waiting requests are answered
+            assert running.result().status_code == 200 and waiting.result().status_code == 200
+    finally:
+        held.close()
+        server.should_exit = True
+        thread.join(timeout=10)
