@@ -23,6 +23,7 @@ from .assemble import SPEC_ROOM, EngineParts, assemble, close_parts
 from .config import EngineConfig
 from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
+from .generate.prefix_cache import PrefixCache
 from .generate.sampling import Sampler, SamplingParams
 from .interrupts import finish_despite_interrupts, sigint_guarded
 from .planner.placement import Placement
@@ -55,6 +56,8 @@ class Engine:
         self._owner: int | None = None  # thread id of the request holding the lock
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        self.reuse_prefix = True  # keep the last sequence's cache for a prompt that extends it (prefix_cache.py)
+        self._prefix = PrefixCache(lambda: self.model.new_cache(self.model.max_context))
         # an engine dropped without close() still joins its reader threads and closes its descriptors
         self._finalizer = weakref.finalize(self, close_parts, self.store, self.draft)
 
@@ -96,6 +99,7 @@ class Engine:
             if not self._closed:
                 self._closed = True
                 self._finalizer.detach()  # closed here, by a rerunnable call (the finalizer runs once)
+                self._prefix.clear()
                 finish_despite_interrupts(lambda: close_parts(self.store, self.draft))
 
     def __enter__(self) -> "Engine":
@@ -166,13 +170,21 @@ class Engine:
                ) -> Iterator[TokenEvent | FinishEvent]:
         with self._request():
             before = self.snapshot()
-            cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
+            # plain decoding reuses the last sequence's cache where the prompt extends it; drafters keep their own
+            # state (a draft model's cache, MTP layers), so a speculative request starts fresh
+            reuse = mode == "off" and self.reuse_prefix
+            if reuse:
+                cache, reused = self._prefix.take(ids, len(ids) + params.max_new_tokens)
+            else:
+                self._prefix.clear()
+                cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
+                reused = 0
             spec_stats = SpecStats()
             draft = self.draft
             stepper = make_stepper(self.model, cache, Sampler(params), mode, depth=depth, width=width, draft=draft,
                                    store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
-            events = drive(stepper, ids, GenerationState(params, self.tokenizer))
+            events = drive(stepper, ids[reused:], GenerationState(params, self.tokenizer))
             decoding = None  # the store's counters when the prefill's token came out
             while True:
                 # out of memory in the MTP / draft forwards too: only this request fails
@@ -181,7 +193,11 @@ class Engine:
                 if event is None:
                     break
                 if isinstance(event, FinishEvent):
-                    event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event)}
+                    event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event),
+                                   "prompt_tokens": len(ids), "reused_prompt_tokens": reused,
+                                   "prefilled_tokens": len(ids) - reused}
+                    if reuse:
+                        self._prefix.give_back(cache, ids + event.token_ids)
                 elif decoding is None:
                     decoding = self.snapshot()
                 yield event
@@ -193,6 +209,18 @@ class Engine:
                 finish = event
         assert finish is not None
         return Completion(finish.text, finish.token_ids, finish.reason, finish.stats)
+
+    def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> Completion:
+        """One assistant turn after `messages` (role/content dicts, rendered by the model's chat template). A
+        conversation that resends its history reuses the cache of the previous turn (Completion.stats:
+        reused_prompt_tokens)."""
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.checkpoint.root}: no tokenizer ({' or '.join(TOKENIZER_FILES)}): chat needs one")
+        return self.generate(self.tokenizer.encode_chat(list(messages)), **sampling)
+
+    def session(self, system: str | None = None) -> "ChatSession":
+        """A conversation: session.send(text) returns the assistant's Completion and keeps both turns."""
+        return ChatSession(self, [{"role": "system", "content": system}] if system else [])
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -249,6 +277,23 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+@dataclass
+class ChatSession:
+    """A multi-turn conversation over one engine; each turn prefills only what the previous one did not hold."""
+    engine: Engine
+    messages: list[dict[str, Any]]
+
+    def send(self, text: str, **sampling: Any) -> Completion:
+        self.messages.append({"role": "user", "content": text})
+        try:
+            answer = self.engine.chat(self.messages, **sampling)
+        except BaseException:
+            self.messages.pop()  # a failed turn leaves the conversation as it was
+            raise
+        self.messages.append({"role": "assistant", "content": answer.text})
+        return answer
 
 
 # what a snapshot holds that is a level, not a counter: left out of the deltas

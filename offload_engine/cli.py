@@ -1,4 +1,4 @@
-"""offload-engine: run | inspect. Each subcommand parses, calls the API or planner, and prints.
+"""offload-engine: run | serve | inspect. Each subcommand parses, calls the API or planner, and prints.
 
 Exit codes: 0 ok, 2 bad input (flags, checkpoint), 3 resources (budget, I/O), 130 interrupted.
 Errors print one line without a traceback unless --debug.
@@ -16,6 +16,7 @@ from .config import DTYPES
 from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, SPEC_MODES
 from .planner.commands import add_plan_parser, add_probe_parser
+from .server.command import SERVE_EXAMPLES, add_serve_flags, check_serve_flags
 from .store.policy import POLICIES
 from .units import format_bytes
 
@@ -41,6 +42,52 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The budget and engine flags `run` and `serve` share (engine_config reads them)."""
+    p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
+    p.add_argument("--vram", help="device memory budget, same forms as --ram")
+    p.add_argument("--context", type=int,
+                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                     help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
+                          "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")
+    p.add_argument("--policy", default="lru-floor", choices=POLICIES,
+                     help="expert cache eviction policy (docs/PERF.md compares them)")
+    p.add_argument("--direct-io", default="auto", choices=DIRECT_IO_MODES,
+                     help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
+    p.add_argument("--host-compute", default="off", choices=HOST_COMPUTE_MODES,
+                     help="compute experts held in RAM (not in VRAM) on the CPU instead of copying them; auto: where "
+                          "measured rates say it is faster; on a GPU not bit-identical to device compute")
+    p.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
+                     help="speculative expert prefetch; adaptive (default): only while it measurably pays")
+    p.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
+    p.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
+                     help="lookahead guesses read per token at each layer, in forwards that do not route ahead "
+                          "(default 1; more pays only with spare disk bandwidth)")
+    p.add_argument("--route-ahead", type=int, default=1, metavar="N",
+                     help="MoE layers whose routing a layer waiting for expert reads predicts, to read their experts "
+                          "early (default 1; 0: off; part of expert prefetching, which --prefetch adaptive "
+                          "keeps only while it pays)")
+    p.add_argument("--trace", metavar="FILE",
+                     help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
+    p.add_argument("--spec", default="off", choices=SPEC_MODES,
+                     help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
+                          "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
+                          "restricted to its resident experts)")
+    p.add_argument("--spec-depth", type=int, help="draft tokens per step (default: chosen each step)")
+    p.add_argument("--spec-width", type=int, help="draft candidates per depth, a tree (default: chosen each step)")
+    p.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
+    p.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
+    p.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
+    p.add_argument("--threads", default="auto", metavar="N|auto",
+                     help="torch intra-op threads; auto (default): one core fewer than the machine while weights "
+                          "stream (the reader threads need it), torch's default otherwise")
+    p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                     help="fail a request when no checkpoint read makes progress for this long (default 60)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-engine",
                                      description="Run MoE and dense LLMs far larger than device memory.")
@@ -58,48 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    run.add_argument("--dtype", choices=list(DTYPES), help="compute dtype")
-    run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    run.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
-    run.add_argument("--vram", help="device memory budget, same forms as --ram")
-    run.add_argument("--context", type=int,
-                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
-    run.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                     help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
-                          "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")
-    run.add_argument("--policy", default="lru-floor", choices=POLICIES,
-                     help="expert cache eviction policy (docs/PERF.md compares them)")
-    run.add_argument("--direct-io", default="auto", choices=DIRECT_IO_MODES,
-                     help="O_DIRECT reads (bypass the page cache); auto: on when the weights exceed --ram")
-    run.add_argument("--host-compute", default="off", choices=HOST_COMPUTE_MODES,
-                     help="compute experts held in RAM (not in VRAM) on the CPU instead of copying them; auto: where "
-                          "measured rates say it is faster; on a GPU not bit-identical to device compute")
-    run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
-                     help="speculative expert prefetch; adaptive (default): only while it measurably pays")
-    run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
-    run.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
-                     help="lookahead guesses read per token at each layer, in forwards that do not route ahead "
-                          "(default 1; more pays only with spare disk bandwidth)")
-    run.add_argument("--route-ahead", type=int, default=1, metavar="N",
-                     help="MoE layers whose routing a layer waiting for expert reads predicts, to read their experts "
-                          "early (default 1; 0: off; part of expert prefetching, which --prefetch adaptive "
-                          "keeps only while it pays)")
-    run.add_argument("--trace", metavar="FILE",
-                     help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
-    run.add_argument("--spec", default="off", choices=SPEC_MODES,
-                     help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
-                          "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
-                          "restricted to its resident experts)")
-    run.add_argument("--spec-depth", type=int, help="draft tokens per step (default: chosen each step)")
-    run.add_argument("--spec-width", type=int, help="draft candidates per depth, a tree (default: chosen each step)")
-    run.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
-    run.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
-    run.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
-    run.add_argument("--threads", default="auto", metavar="N|auto",
-                     help="torch intra-op threads; auto (default): one core fewer than the machine while weights "
-                          "stream (the reader threads need it), torch's default otherwise")
-    run.add_argument("--stall-timeout", type=float, metavar="SECONDS",
-                     help="fail a request when no checkpoint read makes progress for this long (default 60)")
+    _engine_flags(run)
     run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -113,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true")
     _common(ins)
     ins.set_defaults(func=cmd_inspect)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server and a chat page",
+                           epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--model", help="Hugging Face folder; default: the bundled model")
+    _engine_flags(serve)
+    add_serve_flags(serve)
+    serve.add_argument("--show-plan", action="store_true", help="print the placement before serving")
+    serve.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
+    _common(serve)
+    serve.set_defaults(func=cmd_serve, json=False)
     add_plan_parser(sub)
     add_probe_parser(sub)
     return parser
@@ -178,13 +193,18 @@ def engine_config(args: argparse.Namespace) -> Any:
                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
 
 
+def _check_threads(threads: str) -> None:
+    from .errors import ConfigError
+
+    if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
+        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
     from .defaults import default_model_path
-    from .errors import ConfigError
 
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
+    _check_threads(args.threads)
     model = args.model or default_model_path()
     config = engine_config(args)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
@@ -193,6 +213,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         _set_compute_threads(args.threads, engine)
         return _generate(engine, args)
+    finally:
+        engine.close()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .api import Engine
+    from .defaults import default_model_path
+    from .server.command import serve
+
+    _check_threads(args.threads)
+    check_serve_flags(args)  # before loading: a refused bind costs no load
+    engine = Engine.open(args.model or default_model_path(), engine_config(args))
+    try:
+        _set_compute_threads(args.threads, engine)
+        if args.show_plan:
+            print(engine.placement.describe(), file=sys.stderr)
+        return serve(engine, args)
     finally:
         engine.close()
 

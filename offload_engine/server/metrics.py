@@ -1,0 +1,56 @@
+"""Server counters and their Prometheus text exposition (GET /metrics)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    decode_tok_s: float = 0.0  # of the last request
+    hit_rate: float = 1.0  # of the last request, in the tier the model computes from
+    bytes_read: dict[str, int] = field(default_factory=dict)  # per tier
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, stats: dict) -> None:
+        """Fold one finished request's engine stats in."""
+        with self.lock:
+            self.requests += 1
+            self.prompt_tokens += int(stats.get("prompt_tokens", 0))
+            self.completion_tokens += int(stats.get("generated_tokens", 0))
+            self.reused_prompt_tokens += int(stats.get("reused_prompt_tokens", 0))
+            self.decode_tok_s = float(stats.get("decode_tok_s", 0.0))
+            self.hit_rate = float(stats.get("hit_rate", 1.0))
+            for key, value in stats.items():
+                if key.startswith("bytes_read_") and isinstance(value, (int, float)) and not key.endswith("token"):
+                    tier = key[len("bytes_read_"):]
+                    self.bytes_read[tier] = self.bytes_read.get(tier, 0) + int(value)
+
+    def text(self, queue_length: int, busy: bool) -> str:
+        with self.lock:
+            lines = [
+                "# TYPE offload_engine_requests_total counter", f"offload_engine_requests_total {self.requests}",
+                "# TYPE offload_engine_request_errors_total counter",
+                f"offload_engine_request_errors_total {self.errors}",
+                "# TYPE offload_engine_prompt_tokens_total counter",
+                f"offload_engine_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE offload_engine_reused_prompt_tokens_total counter",
+                f"offload_engine_reused_prompt_tokens_total {self.reused_prompt_tokens}",
+                "# TYPE offload_engine_completion_tokens_total counter",
+                f"offload_engine_completion_tokens_total {self.completion_tokens}",
+                "# TYPE offload_engine_decode_tokens_per_second gauge",
+                f"offload_engine_decode_tokens_per_second {self.decode_tok_s:.6g}",
+                "# TYPE offload_engine_hit_rate gauge",
+                f"offload_engine_hit_rate {self.hit_rate:.6g}",
+                "# TYPE offload_engine_bytes_read_total counter",
+                *(f'offload_engine_bytes_read_total{{tier="{t}"}} {n}' for t, n in sorted(self.bytes_read.items())),
+                "# TYPE offload_engine_queue_length gauge", f"offload_engine_queue_length {queue_length}",
+                "# TYPE offload_engine_busy gauge", f"offload_engine_busy {int(busy)}",
+            ]
+        return "\n".join(lines) + "\n"
+
