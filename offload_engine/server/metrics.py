@@ -26,9 +26,10 @@ class Metrics:
             self.reused_prompt_tokens += int(stats.get("reused_prompt_tokens", 0))
             self.decode_tok_s = float(stats.get("decode_tok_s", 0.0))
             self.hit_rate = float(stats.get("hit_rate", 1.0))
-            for key, value in stats.items():
-                if key.startswith("bytes_read_") and isinstance(value, (int, float)) and not key.endswith("token"):
-                    tier = key[len("bytes_read_"):]
+            # bytes moved into each tier: disk -> host (or device) reads, and host -> device copies
+            for tier, key in (("disk", "bytes_read_disk"), ("host_to_device", "bytes_host_to_device")):
+                value = stats.get(key)
+                if isinstance(value, (int, float)):
                     self.bytes_read[tier] = self.bytes_read.get(tier, 0) + int(value)
 
     def text(self, queue_length: int, busy: bool) -> str:
