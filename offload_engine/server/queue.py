@@ -34,6 +34,7 @@ class EngineWorker:
     def __init__(self, max_queue: int, on_finish: Callable[[dict], None] | None = None):
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.busy = False
+        self.current: Job | None = None  # the job being served
         self.on_finish = on_finish
         self.thread = threading.Thread(target=self._run, name="offload-engine-worker", daemon=True)
         self.thread.start()
@@ -49,8 +50,19 @@ class EngineWorker:
             raise QueueFull(f"the request queue is full ({self.jobs.maxsize} waiting)") from None
 
     def stop(self) -> None:
-        """Ends the worker after its current job (a job in progress is cancelled)."""
-        self.jobs.put(None)
+        """Ends the worker: the job in progress is cancelled at its next step, those waiting are answered DONE."""
+        current = self.current
+        if current is not None:
+            current.cancelled.set()
+        while True:  # drain, so the sentinel below always finds room
+            try:
+                waiting = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                waiting.cancelled.set()
+                waiting.put(DONE)
+        self.jobs.put_nowait(None)
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
@@ -61,11 +73,11 @@ class EngineWorker:
             if job.cancelled.is_set():
                 job.put(DONE)
                 continue
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 self._serve(job)
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
 
     def _serve(self, job: Job) -> None:
         events = None
