@@ -225,6 +225,7 @@ def test_allocation_failure_mid_generation_fails_that_request_only(checkpoint_fa
     copy_fn = failing(copy_bytes) if where == "host-to-device-copy" else None
     engine = Engine.open(path, budget=Budget(vram="8%", ram="30%"), max_context=64, direct_io="off",
                          copy_fn=copy_fn)
+    engine.reuse_prefix = False  # every request allocates its KV cache (a reused one allocates nothing)
     if where == "expert-compute":
         engine.model.ops.expert = failing(engine.model.ops.expert)
     injected = 0
@@ -256,6 +257,7 @@ def test_allocation_failure_is_reported_as_an_engine_error(checkpoint_factory, f
     The model's forward wraps torch.OutOfMemoryError in errors.DeviceOOMError (its __cause__)."""
     path = checkpoint_factory("qwen3_moe", "offload")
     with Engine.open(path, budget=Budget(ram="25%"), max_context=64, direct_io="off") as engine:
+        engine.reuse_prefix = False  # the second request allocates its KV cache (a reused one allocates nothing)
         want = engine.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True).token_ids
         fake_alloc.arm(2)
         with pytest.raises(Exception) as err:
@@ -265,6 +267,19 @@ def test_allocation_failure_is_reported_as_an_engine_error(checkpoint_factory, f
     assert err.value.exit_code == 3
     assert "out of memory" in str(err.value) and isinstance(err.value.__cause__, torch.OutOfMemoryError)
     tally("allocation_failures_injected")
+
+
+def test_allocation_failure_of_a_kept_cache_is_an_engine_error(checkpoint_factory, fake_alloc):
+    """With prefix reuse (the default), the first request allocates the whole-context cache the engine keeps:
+    its allocation failing fails that request with the engine's error, and the next request allocates anew."""
+    path = checkpoint_factory("qwen3_moe", "offload")
+    with Engine.open(path, budget=Budget(ram="25%"), max_context=64, direct_io="off") as engine:
+        fake_alloc.arm(1)
+        with pytest.raises(OffloadEngineError, match="out of memory"):
+            engine.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
+        first = engine.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
+        again = engine.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
+    assert first.token_ids == again.token_ids and again.stats["reused_prompt_tokens"] == 2
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
