@@ -14,7 +14,7 @@ from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
 from .config import DTYPES
 from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
-from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, SPEC_MODES
+from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, SPEC_MODES
 from .planner.commands import add_plan_parser, add_probe_parser
 from .store.policy import POLICIES
 from .units import format_bytes
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--host-compute", default="off", choices=HOST_COMPUTE_MODES,
                      help="compute experts held in RAM (not in VRAM) on the CPU instead of copying them; auto: where "
                           "measured rates say it is faster; on a GPU not bit-identical to device compute")
+    run.add_argument("--kernels", default="auto", choices=KERNEL_MODES,
+                     help="quantized weights: auto (fast kernels where they apply, docs/FORMATS.md) or dequantize "
+                          "(always dequantize then multiply)")
     run.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     run.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
@@ -175,7 +178,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_context=args.context, policy=args.policy, direct_io=args.direct_io,
                         prefetch=prefetch, trace=args.trace, allow_cast=args.allow_cast,
                         progress=_progress(args), stall_timeout=args.stall_timeout, speculative=speculative,
-                        host_compute=args.host_compute, prefill_chunk=args.prefill_chunk)
+                        host_compute=args.host_compute, prefill_chunk=args.prefill_chunk, kernels=args.kernels)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
