@@ -204,3 +204,15 @@ def test_cuda_engine_fast_path_matches_dequantize(checkpoint_factory, quant):
             out[kernels] = engine.logits(PROMPT).float()
     ref = out["dequantize"]
     assert (out["auto"] - ref).abs().max() <= BF16_TOL * ref.abs().max()
+
+
+# ---- the perplexity check, small (tools/quant_kernels.py runs it on 20 held-out files) ---------------
+@pytest.mark.parametrize("quant", ["ct-int4", "ct-int8"])
+def test_demo_model_held_out_perplexity_within_one_percent(tmp_path, quant):
+    from tools.quant_kernels import DEMO, held_out_perplexity, quantized_copy
+
+    model = quantized_copy(DEMO, quant, tmp_path / quant, QuantOptions(strategy="channel"))
+    ref = held_out_perplexity(model, "dequantize", files=1, windows_per_file=1)
+    got = held_out_perplexity(model, "auto", files=1, windows_per_file=1)
+    assert got["tokens"] == ref["tokens"] > 100
+    assert abs(got["ppl"] / ref["ppl"] - 1) <= 0.01, (got, ref)
