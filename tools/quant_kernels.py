@@ -19,7 +19,6 @@ import json
 import math
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
