@@ -65,16 +65,16 @@ def held_out_perplexity(model: Path, kernels: str, files: int, windows_per_file:
     return {"kernels": kernels, "tokens": tokens, "ppl": math.exp(nll / tokens)}
 
 
-def decode_speed(model: Path, kernels: str, new_tokens: int, rounds: int) -> dict:
+def decode_speed(model: Path, kernels: str, new_tokens: int, rounds: int, dtype: str = "float32") -> dict:
     prompt = list(range(5, 37))
     best = 0.0
-    with Engine.open(model, dtype="float32", kernels=kernels, max_context=len(prompt) + new_tokens) as engine:
+    with Engine.open(model, dtype=dtype, kernels=kernels, max_context=len(prompt) + new_tokens) as engine:
         engine.generate(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up (repacks happen at first use)
         for _ in range(rounds):
             stats = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True).stats
             best = max(best, stats["decode_tok_s"])
         repacked = sum(a.items.get("repacked weights", 0) for a in engine.store.ledger.accounts.values())
-    return {"kernels": kernels, "decode_tok_s": best, "repacked_bytes": repacked}
+    return {"kernels": kernels, "dtype": dtype, "decode_tok_s": best, "repacked_bytes": repacked}
 
 
 def main(argv=None) -> int:
@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="bench", help="tools/make_checkpoint.py preset of the decode checkpoint")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes of the decode table")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -112,11 +113,12 @@ def main(argv=None) -> int:
         rows = []
         for quant in QUANTS:
             model = quantized_copy(plain, quant, args.work / f"{args.arch}-{args.preset}-{quant}")
-            for kernels in KERNELS:
-                row = {"quant": quant, **decode_speed(model, kernels, args.tokens, args.rounds)}
-                rows.append(row)
-                print(f"decode {quant} {kernels:>10}: {row['decode_tok_s']:.2f} tok/s "
-                      f"(repacked {row['repacked_bytes'] / 2**20:.1f} MiB)", flush=True)
+            for dtype in args.dtypes.split(","):
+                for kernels in KERNELS:
+                    row = {"quant": quant, **decode_speed(model, kernels, args.tokens, args.rounds, dtype)}
+                    rows.append(row)
+                    print(f"decode {quant} {dtype:>8} {kernels:>10}: {row['decode_tok_s']:.2f} tok/s "
+                          f"(repacked {row['repacked_bytes'] / 2**20:.1f} MiB)", flush=True)
         result["decode"] = {"checkpoint": f"{args.arch}/{args.preset}", "tokens": args.tokens,
                             "rounds": args.rounds, "rows": rows}
     if args.json:
