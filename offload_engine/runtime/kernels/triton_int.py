@@ -6,14 +6,17 @@ per value they hold (from L1/L2), unpacks value = ((word >> (bits * (k % per))) 
 the group's zero point, multiplies by the group's scale and accumulates x . w in float32. Rows of x beyond
 MAX_ROWS (prefill) go to dequantize-then-matmul, where a GEMM is the better kernel.
 
-Importable without triton or CUDA (`available()` says False); written for the GPU and checked there by
-tests/test_kernels.py::test_cuda_paths_match_dequantize (this session had no GPU to run it).
+Importable without triton or CUDA (`available()` says False). Written without a GPU to run it: it checks itself
+on first use (`_checked`) and stays off where it fails; tests/test_kernels.py's cuda-marked tests check it.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ...checkpoint.formats import QuantSpec
+from .. import dequant
 
 try:  # triton ships with torch's CUDA wheels; absent on CPU-only installs
     import triton
@@ -21,6 +24,8 @@ try:  # triton ships with torch's CUDA wheels; absent on CPU-only installs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+log = logging.getLogger(__name__)
+SELF_CHECK_TOLERANCE = 1e-2  # relative max error vs dequantize (fp32 accumulation of the same products)
 MAX_ROWS = 16  # decode and small verification batches; larger inputs dequantize and use a GEMM
 BLOCK_N, BLOCK_K = 64, 128
 
@@ -65,6 +70,29 @@ if triton is not None:
         tl.store(y_ptr + row * N + n, acc, mask=n_ok)
 
 
+_verdict: dict[tuple[int, bool], bool] = {}  # (bits, zero points) -> passed its first-use check
+
+
+def _checked(x2, packed, scale, zero, bits: int, group: int) -> bool:
+    """Once per (bits, zero points) and process: the kernel compiles and agrees with dequantize-then-matmul on
+    the first weight it meets, else it stays off (with a warning) and that weight kind dequantizes."""
+    key = (bits, zero is not None)
+    if key not in _verdict:
+        n, k = packed.shape[0], x2.shape[1]
+        q = QuantSpec("ct_pack", n, k, bits=bits, strategy="group", group=group, symmetric=zero is None)
+        try:
+            got = _launch(x2, packed, scale, zero, bits, group).float()
+            ref = x2.float() @ dequant.ct_pack(packed, scale.reshape(n, -1), zero, q, torch.float32).t()
+            err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+            _verdict[key] = err <= SELF_CHECK_TOLERANCE
+            if not _verdict[key]:
+                log.warning("triton int%d kernel off: relative error %.3g vs dequantize", bits, err)
+        except Exception as e:  # a compile or launch failure on this GPU / triton: dequantize instead
+            _verdict[key] = False
+            log.warning("triton int%d kernel off: %s", bits, e)
+    return _verdict[key]
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
            info: torch.Tensor) -> torch.Tensor | None:
     """x @ W.T for W stored pack-quantized, or None (more rows than a GEMV shape, or no triton): dequantize."""
@@ -73,14 +101,19 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if not available() or x2.shape[0] > MAX_ROWS or not x.is_cuda:
         return None
     bits, inp, group = (int(v) for v in info.tolist())
-    if inp != k:
+    if inp != k or not _checked(x2.contiguous(), packed, scale, zero, bits, group):
         return None
-    x2 = x2.contiguous()
+    return _launch(x2.contiguous(), packed, scale, zero, bits, group).to(x.dtype).reshape(*lead, -1)
+
+
+def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+            group: int) -> torch.Tensor:
+    k = x2.shape[1]
     n = packed.shape[0]
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
     scale = scale.reshape(n, -1)
     z = zero if zero is not None else packed  # any int32 pointer: not read without HAS_ZERO
     grid = (x2.shape[0], triton.cdiv(n, BLOCK_N))
     _int_gemv[grid](x2, packed, scale, z, y, n, k, packed.stride(0), scale.stride(0), z.stride(0),
                     BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return y.to(x.dtype).reshape(*lead, n)
+    return y
