@@ -34,6 +34,7 @@ from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
 from .runtime.arch import build_ops
 from .runtime.host_compute import HostCompute, measure_machine
+from .runtime.kernels.select import Kernels
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
@@ -108,7 +109,8 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
              if config.host_compute == "auto" and device.type == "cuda" and placement.host_caches("expert") else None)
     store = build_store(checkpoint, placement, device, dtype, use_direct, config.policy, config.progress,
                         config.read_fn, stall_timeout=config.stall_timeout, copy_fn=config.copy_fn,
-                        prefetch_slots=config.prefetch.slots)
+                        prefetch_slots=config.prefetch.slots,
+                        prepare=Kernels() if config.kernels == "auto" else None)
     draft = None
     try:
         model = CausalLM(checkpoint, store, device, dtype, max_context=context + SPEC_ROOM,

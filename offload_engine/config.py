@@ -14,7 +14,7 @@ import torch
 
 from .constants import PREFILL_CHUNK
 from .errors import ConfigError
-from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES
+from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES
 from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
 from .speculative.stepper import check_spec
@@ -136,7 +136,8 @@ class EngineConfig:
     for bit the device's results on a GPU); prefill_chunk: prompt tokens per forward (its activations grow with
     it: `plan --prefill-chunk` sizes them; under offload a larger chunk reads each expert the prompt misses fewer
     times); record_routing: the model appends every MoE layer's routing to `model.routing_trace`
-    (tools/trace_experts.py)."""
+    (tools/trace_experts.py); kernels: "auto" (quantized weights use a fast kernel where one applies, repacked
+    once per resident unit within the budget: docs/FORMATS.md) or "dequantize" (always dequantize-then-matmul)."""
 
     budget: Budget = field(default_factory=Budget)
     device: str | torch.device | None = None
@@ -155,6 +156,7 @@ class EngineConfig:
     host_compute: str = "off"
     prefill_chunk: int = PREFILL_CHUNK
     record_routing: bool = False
+    kernels: str = "auto"
 
     def __post_init__(self):
         _check_budget(self.budget, "budget")
@@ -170,6 +172,8 @@ class EngineConfig:
         chunk = self.prefill_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"prefill_chunk (--prefill-chunk) must be a positive int, got {chunk!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"--direct-io must be auto, on or off, got {self.direct_io!r}")
         if not isinstance(self.prefetch, PrefetchConfig):  # a bool: the defaults, enabled or not

@@ -11,3 +11,6 @@ PLAN_SPEC_MODES = ("off", "auto", "mtp", "ngram")
 HOST_COMPUTE_MODES = ("off", "on", "auto")
 # --direct-io: O_DIRECT reads; auto: on when the weights exceed the host budget (config.EngineConfig)
 DIRECT_IO_MODES = ("auto", "on", "off")
+# --kernels: quantized weights' compute; auto: a fast kernel where one applies (docs/FORMATS.md), dequantize: always
+# dequantize-then-matmul (the reference the fast paths are checked against)
+KERNEL_MODES = ("auto", "dequantize")

@@ -5,7 +5,9 @@ from its stored components (checkpoint/formats.py names them `<name>@q:<tag>`, `
 scratch tensor of the compute dtype on the weights' device. Nothing is cached: the unit's bytes stay quantized
 in every tier (bytes moved = bytes on disk) and the dense copy lives only while the op that asked uses it.
 
-Which path each format takes: dequantize-then-matmul (runtime/dequant.py) for every format on every device.
+`linear(x, w, name)` first asks runtime/kernels/select.py for a fast path: the kernel forms the store added to
+the unit when its views were built (EngineConfig.kernels "auto"); without them it dequantizes then multiplies
+(runtime/dequant.py). docs/FORMATS.md says which path each format takes on each device.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from ..checkpoint.formats import PRIMARY, decode, part_name
 from . import dequant
+from .kernels.select import fast_linear
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -63,4 +66,8 @@ def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tens
 
 def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
     """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in."""
-    return F.linear(x, dense(w, name, x.dtype), None if bias is None else w.get(bias))
+    y = fast_linear(x, w, name) if name not in w else None
+    if y is None:
+        return F.linear(x, dense(w, name, x.dtype), None if bias is None else w.get(bias))
+    b = None if bias is None else w.get(bias)
+    return y if b is None else y + b

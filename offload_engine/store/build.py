@@ -53,11 +53,12 @@ def gds_from_env() -> bool:
 def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
                 direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
                 stall_timeout: float | None = None, copy_fn: CopyFn | None = None,
-                prefetch_slots: int = PREFETCH_SLOTS) -> TieredStore:
+                prefetch_slots: int = PREFETCH_SLOTS, prepare=None) -> TieredStore:
     ledger = Ledger({t.name: t.budget for t in placement.tiers})
     timeout = stall_timeout or stall_timeout_from_env()
     staged = max(t.staging_bytes for t in placement.tiers)  # what the placement charged for the bounce buffers
     bounce = staged // READER_THREADS or bounce_bytes(placement.sizes)
     return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
                        threads=READER_THREADS, bounce_bytes=bounce, gds=gds_from_env(), stall_timeout=timeout,
-                       read_fn=read_fn, copy_fn=copy_fn, prefetch_slots=prefetch_slots, progress=progress)
+                       read_fn=read_fn, copy_fn=copy_fn, prefetch_slots=prefetch_slots, progress=progress,
+                       prepare=prepare)

@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ from .prefetching import Prefetches
 from .readers import DEMAND, ReaderPool
 from .rows import RowCache, RowReader, row_caches, row_tensor
 from .stats import StoreStats
-from .tier import Slot, SlotState, Tier
+from .tier import Prepared, Slot, SlotState, Tier
 from .unit_io import CopyFn, ReadFn, UnitIO
 from .weights import Weights
 
@@ -51,10 +51,13 @@ class TieredStore:
                  dtype: torch.dtype, *, policy: str = "lru-floor", direct_io: bool = False,
                  threads: int = READER_THREADS, bounce_bytes: int = BOUNCE_BYTES, gds: bool = True,
                  stall_timeout: float = STALL_TIMEOUT_S, read_fn: ReadFn | None = None, copy_fn: CopyFn | None = None,
-                 io: UnitIO | None = None, prefetch_slots: int = PREFETCH_SLOTS, progress: bool = False):
+                 io: UnitIO | None = None, prefetch_slots: int = PREFETCH_SLOTS, progress: bool = False,
+                 prepare: Any = None):
         """`io`: the store's I/O (it owns it from here and closes it); by default a UnitIO built from `direct_io`,
         `bounce_bytes`, `gds`, `read_fn` and `copy_fn`. `prefetch_slots`: slots of a kind that prefetched, unused
-        units may hold (Evictor.reserve; PrefetchConfig.slots)."""
+        units may hold (Evictor.reserve; PrefetchConfig.slots). `prepare`: what the runtime derives from each
+        unit's views (the kernels' repacked weights, runtime/kernels/select.Kernels), built with a slot's views
+        and charged to its tier (tier.Prepared)."""
         self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
         self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
         self.io = io if io is not None else UnitIO(checkpoint.index.shards, device, direct_io=direct_io,
@@ -63,6 +66,7 @@ class TieredStore:
         self.files, self.direct_io = self.io.files, self.io.direct_io
         self.stats = StoreStats(io=self.io.counters)
         self._lock = threading.RLock()
+        self.prepared = Prepared(prepare, ledger) if prepare is not None else None
         self._host_held: dict[UnitKey, int] = {}  # host-tier references handed to callers (acquire's on_host)
         cuda = device.type == "cuda"
         self.tiers = [Tier(plan.name, device if plan.name == "device" else torch.device("cpu"), set(plan.pinned))
@@ -111,7 +115,7 @@ class TieredStore:
         return self.evictor.prefetch_slots
 
     def _views(self, slot: Slot, key: UnitKey) -> Weights:
-        return slot.weights(self.checkpoint.layouts[key], self.dtype)
+        return slot.weights(self.checkpoint.layouts[key], self.dtype, self.prepared)
 
     # ---- public API -------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,

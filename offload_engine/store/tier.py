@@ -4,14 +4,14 @@ from __future__ import annotations
 import heapq
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..checkpoint.formats import keeps_stored_dtype
 from ..checkpoint.layout import UnitLayout
 from ..checkpoint.naming import UnitKey
-from ..errors import out_of_memory_as_error
+from ..errors import BudgetError, out_of_memory_as_error
 from ..planner.placement import KindSize, TierPlan
 from .hostmem import host_buffer, pinned_host_buffer
 from .ledger import Ledger
@@ -48,22 +48,68 @@ class Slot:
     # to the compute dtype: valid while (key, offset) match, a unit's layout in its blob being fixed (building
     # them costs ~30 us of Python per acquire)
     views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor], frozenset[str]] | None = None
+    prepared_bytes: int = 0  # charged for the tensors `prepare` added to those views (Prepared)
 
     def state(self) -> SlotState:
         fut = self.loading
         return SlotState(self.tier, self.kind, self.index, self.key, self.refs, fut is not None and not fut.done())
 
-    def weights(self, layout: UnitLayout, dtype: torch.dtype) -> Weights:
-        """The typed views of `layout`'s unit in this slot, plain floating ones cast to `dtype`."""
+    def weights(self, layout: UnitLayout, dtype: torch.dtype, prepare: "Prepared | None" = None) -> Weights:
+        """The typed views of `layout`'s unit in this slot, plain floating ones cast to `dtype` (and the tensors
+        `prepare` derives from them, built with them)."""
         cached = self.views
         if cached is None or cached[0] != (layout.key, self.offset):
+            if prepare is not None:
+                prepare.drop(self)
+            self.views = None  # the old unit's views (and what was derived from them) go now
             views = layout.views(self.blob[self.offset:])
             cast = frozenset(k for k, v in views.items()
                              if v.is_floating_point() and v.dtype != dtype and not keeps_stored_dtype(k))
+            if prepare is not None:
+                views = prepare.add(self, views, dtype)
             cached = self.views = ((layout.key, self.offset), views, cast)
         _, views, cast = cached
         # a copy: callers may rebind entries, never the slot's cached views
         return {k: (v.to(dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """Tensors the runtime derives from a unit's views (runtime/kernels: weights repacked for a CPU kernel),
+    built once when a slot's views of the unit are and dropped with them. Their new bytes are charged to the
+    slot's tier before they are built, like every byte the store holds; where the budget has no room they are
+    not built (`declined`) and the runtime computes that unit by dequantizing. `hook`: plan(views, dtype) ->
+    items with .nbytes; build(views, items, dtype) -> (tensors, bytes of items it could not build)."""
+
+    hook: Any
+    ledger: Ledger
+    declined: int = 0  # units computed without their derived tensors for want of budget
+    WHAT = "repacked weights"
+
+    def add(self, slot: Slot, views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        planned = self.hook.plan(views, dtype)
+        if not planned:
+            return views
+        nbytes = sum(p.nbytes for p in planned)
+        try:
+            self.ledger.charge(slot.tier, nbytes, self.WHAT)
+        except BudgetError:
+            self.declined += 1
+            return views
+        try:
+            extra, unused = self.hook.build(views, planned, dtype)
+        except BaseException:
+            self.ledger.credit(slot.tier, nbytes, self.WHAT)
+            raise
+        if unused:
+            self.ledger.credit(slot.tier, unused, self.WHAT)
+        slot.prepared_bytes = nbytes - unused
+        return {**views, **extra}
+
+    def drop(self, slot: Slot) -> None:
+        if slot.prepared_bytes:
+            self.ledger.credit(slot.tier, slot.prepared_bytes, self.WHAT)
+            slot.prepared_bytes = 0
 
 
 @dataclass(eq=False)
@@ -206,5 +252,8 @@ class Tier:
         for kind, pool in self.pools.items():
             for slot in pool:
                 ledger.credit(self.name, slot.blob.numel(), f"{kind} slots")
+                if slot.prepared_bytes:
+                    ledger.credit(self.name, slot.prepared_bytes, Prepared.WHAT)
+                    slot.prepared_bytes, slot.views = 0, None
         for index in (self.pools, self.resident, self.by_layer, self.free, self.prefetched, self.stale, self.recency):
             index.clear()

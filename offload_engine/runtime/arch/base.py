@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
+from ..kernels.select import fast_linear
 from ..linear import dense, is_quantized, linear
 from ..moe import softmax_topk
 
@@ -43,14 +44,23 @@ class LayerOps(Protocol):
 
 def mlp(w: Weights, x: torch.Tensor, prefix: str, act) -> torch.Tensor:
     """The gated MLP of weights `<prefix>gate`, `<prefix>up`, `<prefix>down` (any stored format)."""
-    return gated_mlp(x, dense(w, prefix + "gate", x.dtype), dense(w, prefix + "up", x.dtype),
-                     dense(w, prefix + "down", x.dtype), act)
+    if prefix + "gate" in w:  # plain weights: gated_mlp, as before
+        return gated_mlp(x, w[prefix + "gate"], w[prefix + "up"], w[prefix + "down"], act)
+    h = act(linear(x, w, prefix + "gate")) * linear(x, w, prefix + "up")  # quantized: a fast path may apply
+    return linear(h, w, prefix + "down")
 
 
 def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
-    if "gate_up" in w or is_quantized(w, "gate_up"):
-        gate, up = dense(w, "gate_up", x.dtype).chunk(2, dim=0)
-        return gated_mlp(x, gate, up, dense(w, "down", x.dtype), act)
+    if "gate_up" in w:
+        gate, up = w["gate_up"].chunk(2, dim=0)
+        return gated_mlp(x, gate, up, w["down"], act)
+    if is_quantized(w, "gate_up"):
+        fused = fast_linear(x, w, "gate_up")
+        if fused is None:  # dequantized: gate and up multiplied apart, as for plain weights
+            gate, up = dense(w, "gate_up", x.dtype).chunk(2, dim=0)
+            return gated_mlp(x, gate, up, dense(w, "down", x.dtype), act)
+        gate, up = fused.chunk(2, dim=-1)
+        return linear(act(gate) * up, w, "down")
     return mlp(w, x, "", act)
 
 

@@ -1,0 +1,142 @@
+"""CPU weight-only integer matmuls (torch 2.13): a quantized weight repacked once into what the kernel reads.
+
+  int8   torch._weight_int8pack_mm(x [M, K], q int8 [N, K], s [N]) = x @ (q * s[:, None]).T
+         x, s in the compute dtype (float32 / bfloat16 / float16); one scale per output channel only
+  int4   torch._convert_weight_to_int4pack_for_cpu(q int32 [N, K] in 0..15, 1) -> uint8 [N, K/2] (same bytes as
+         the file's nibbles), then torch._weight_int4pack_mm_for_cpu(x, packed, g, sz [K/g, N, 2]) =
+         x @ W.T with W[n, k] = (q[n, k] - 8) * sz[k // g, n, 0] + sz[k // g, n, 1]
+         g in {32, 64, 128, 256}; N a multiple of 16; K a multiple of g (measured on torch 2.13: other values
+         raise)
+
+Every mapping below is exact algebra on the format's definition (runtime/dequant.py), so the results differ from
+dequantize-then-matmul only by float rounding (the kernels' accumulation order, and the bf16/fp16 rounding of
+scales x zeros where the compute dtype is one of those):
+
+  compressed-tensors pack-quantized int4 (group / channel)   q = stored nibble (value + 8)
+      symmetric: sz = (s, 0); asymmetric with zero point z: sz = (s, -z * s)
+  GPTQ 4-bit (g_idx absent or i // group), AWQ 4-bit        W = (u - z) * s = (u - 8) * s + (8 - z) * s
+  int8 per channel: compressed-tensors pack-quantized (u - 128) and int-quantized (int8 as stored), GPTQ 8-bit
+      with one group: y = int8mm(x, q, s) - sum(x) * (z * s)  where the format has a zero point z
+
+Groups a kernel cannot take (int8 groups, int4 groups under 32, GPTQ act-order) return None: the caller
+dequantizes.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ...checkpoint.formats import QuantSpec
+from .. import dequant
+
+INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
+F32 = torch.float32
+
+
+def available() -> bool:
+    return (sys.byteorder == "little" and hasattr(torch, "_weight_int8pack_mm")
+            and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
+
+
+def int4_group(q: QuantSpec) -> int | None:
+    """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
+    strategies): the largest kernel size dividing it (scales repeated), or None."""
+    span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
+    if q.out % 16 or q.inp % 2:
+        return None
+    return next((g for g in INT4_GROUPS if span % g == 0 and q.inp % g == 0), None)
+
+
+def in_order(g_idx: torch.Tensor | None, q: QuantSpec) -> bool:
+    """GPTQ without act-order: g_idx absent or input i in group i // group (a permutation needs dequantizing)."""
+    return g_idx is None or torch.equal(g_idx.to(torch.long).cpu(), torch.arange(q.inp) // q.group)
+
+
+def scales_and_zeros(scale: torch.Tensor, zero_term: torch.Tensor | None, group: int, kgroup: int,
+        dtype: torch.dtype) -> torch.Tensor:
+    """[N, G] scales (and additive terms) per format group -> [K/kgroup, N, 2] in the compute dtype."""
+    rep = group // kgroup
+    s = scale.to(F32).repeat_interleave(rep, dim=1)
+    z = torch.zeros_like(s) if zero_term is None else zero_term.to(F32).repeat_interleave(rep, dim=1)
+    return torch.stack((s.t(), z.t()), dim=-1).to(dtype).contiguous()
+
+
+def repack_int4(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed uint8 [N, K/2], sz [K/g, N, 2]) for a 4-bit weight, or None where the kernel does not apply.
+    parts: data, scale, zero (None if absent), g_idx (None if absent)."""
+    kg = int4_group(q)
+    if q.bits != 4 or kg is None:
+        return None
+    data, scale, zero = parts["data"], parts["scale"], parts["zero"]
+    group = q.inp if q.strategy == "channel" or q.group == 0 else q.group
+    if q.kind == "ct_pack" and q.strategy in ("group", "channel"):
+        u = dequant.unpack_int32(data, 4, dim=1)[:, :q.inp]  # stored value + 8: the kernel's q
+        scale = scale.to(F32).reshape(q.out, -1)
+        term = None
+        if zero is not None:
+            z = (dequant.unpack_int32(zero, 4, dim=0)[:scale.shape[0]] - 8).to(F32).reshape(q.out, -1)
+            term = -z * scale
+    elif q.kind in ("gptq", "awq"):
+        if not in_order(parts.get("g_idx"), q):
+            return None
+        if q.kind == "gptq":
+            u = dequant.unpack_int32(data, 4, dim=0).t()
+            z = dequant.unpack_int32(zero, 4, dim=1) + q.zero_offset
+        else:
+            order = torch.tensor(dequant.AWQ_REVERSE_ORDER)
+
+            def columns(packed: torch.Tensor) -> torch.Tensor:
+                fields = dequant.unpack_int32(packed, 4, dim=1).view(packed.shape[0], -1, 8)
+                return fields.index_select(2, order).reshape(packed.shape[0], -1)
+
+            u, z = columns(data).t(), columns(zero)
+        scale = scale.to(F32).t()  # [G, N] -> [N, G]
+        term = (8 - z).to(F32).t() * scale
+    else:
+        return None
+    packed = torch._convert_weight_to_int4pack_for_cpu(u.contiguous().to(torch.int32), 1)
+    return packed, scales_and_zeros(scale, term, group, kg, dtype)
+
+
+def repack_int8(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(int8 [N, K], scale [N], zero term [N] or None) for an 8-bit per-channel weight, or None."""
+    data, scale, zero = parts["data"], parts["scale"], parts["zero"]
+    if q.bits != 8 or q.float_values:
+        return None
+    z = None
+    if q.kind == "ct_pack" and q.strategy == "channel" and q.inp % 4 == 0:
+        # 4 bytes per int32 word, lowest first: on a little-endian machine the words' bytes are the values + 128
+        w = (data.contiguous().view(torch.uint8).view(q.out, q.inp) ^ 0x80).view(torch.int8)
+        if zero is not None:
+            z = dequant.unpack_int32(zero, 8, dim=0)[:q.out].reshape(q.out) - 128
+    elif q.kind == "ct_naive" and q.strategy == "channel" and data.dtype == torch.int8:
+        w = data  # int-quantized: the stored int8 matrix is the kernel's (no copy)
+        if zero is not None:
+            z = zero.reshape(q.out)
+    elif q.kind == "gptq" and q.group == q.inp and in_order(parts.get("g_idx"), q):
+        u = dequant.unpack_int32(data, 8, dim=0).t()  # [N, K] in 0..255
+        w = (u - 128).to(torch.int8).contiguous()
+        z = (dequant.unpack_int32(zero, 8, dim=1) + q.zero_offset).reshape(q.out) - 128
+    else:
+        return None
+    s = scale.to(F32).reshape(q.out)
+    term = None if z is None else (z.to(F32) * s).to(dtype)
+    return w, s.to(dtype).contiguous(), term
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, k).contiguous(), packed, k // sz.shape[0], sz)
+    return y.reshape(*lead, -1)
+
+
+def int8_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, term: torch.Tensor | None) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch._weight_int8pack_mm(x2, w, s)
+    if term is not None:  # W = (q - z) * s: subtract sum_k x[m, k] * z[n] * s[n]
+        y = y - x2.sum(-1, keepdim=True, dtype=F32).to(y.dtype) * term
+    return y.reshape(*lead, -1)
