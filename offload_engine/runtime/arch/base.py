@@ -115,13 +115,21 @@ class StandardOps:
         return self.norm(x, w["mtp.out_norm"])
 
     def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, w["input_layernorm.weight"], self.s.rms_norm_eps)
+        return self.norm(x, w["input_layernorm.weight"])
 
     def post_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, w["post_attention_layernorm.weight"], self.s.rms_norm_eps)
+        return self.norm(x, w["post_attention_layernorm.weight"])
 
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:
+        q, k_all, v_all = self.project_qkv(layer, w, x, positions, cache)
+        out = attention(q, k_all, v_all, mask, self.s.head_dim ** -0.5)
+        return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+
+    def project_qkv(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """GQA projections (with their biases and QK-norm where the unit has them), roped, this forward's keys
+        and values appended to the cache: the queries and every cached key and value."""
         s, T, D = self.s, x.shape[0], self.s.head_dim
         q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias").view(T, s.num_heads, D)
         k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias").view(T, s.num_kv_heads, D)
@@ -132,8 +140,7 @@ class StandardOps:
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.append(layer, k, v)
-        out = attention(q, k_all, v_all, mask, D ** -0.5)
-        return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+        return q, k_all, v_all
 
     # feed-forward
     def is_moe(self, layer: int) -> bool:

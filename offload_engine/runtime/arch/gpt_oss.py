@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from ...checkpoint.arch.gpt_oss import GptOssArgs
 from ..kv_cache import KVCache
-from ..layers import apply_rotary
 from ..linear import dense, linear
 from .base import StandardOps, Weights
 
@@ -48,24 +47,12 @@ class GptOssOps(StandardOps):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.s.rms_norm_eps)
         return (weight.to(torch.float32) * h).to(x.dtype)
 
-    def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, w["input_layernorm.weight"])
-
-    def post_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, w["post_attention_layernorm.weight"])
-
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:
-        s, T, D = self.s, x.shape[0], self.s.head_dim
-        q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias").view(T, s.num_heads, D)
-        k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias").view(T, s.num_kv_heads, D)
-        v = linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias").view(T, s.num_kv_heads, D)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all = cache.append(layer, k, v)
+        q, k_all, v_all = self.project_qkv(layer, w, x, positions, cache)
         if self.a.is_sliding(layer):
             mask = mask & self._window(positions, k_all.shape[0])
-        out = attention_with_sinks(q, k_all, v_all, mask, D ** -0.5, w["self_attn.sinks"])
+        out = attention_with_sinks(q, k_all, v_all, mask, self.s.head_dim ** -0.5, w["self_attn.sinks"])
         return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
 
     def _window(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

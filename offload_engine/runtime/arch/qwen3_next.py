@@ -67,12 +67,6 @@ class HybridOps(StandardOps):
         """Trunk layers as configured; MTP layers (N + i) are MoE whenever the model has routed experts."""
         return layer in self.a.moe_layers or (layer >= self.s.num_layers and self.s.num_experts > 0)
 
-    def input_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return zero_centered_rms_norm(x, w["input_layernorm.weight"], self.s.rms_norm_eps)
-
-    def post_norm(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return zero_centered_rms_norm(x, w["post_attention_layernorm.weight"], self.s.rms_norm_eps)
-
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:
         """Full attention or, for linear layers, the Gated DeltaNet (mask: a causal chain only, see deltanet.py)."""
