@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checkpoint.layout import UnitLayout
 from .checkpoint.model import ModelCheckpoint, open_model
 from .checkpoint.naming import UnitKey
 from .config import Budget, EngineConfig, SpeculativeConfig, resolve_device, resolve_dtype
@@ -34,7 +35,7 @@ from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
 from .runtime.arch import build_ops
 from .runtime.host_compute import HostCompute, measure_machine
-from .runtime.kernels.select import Kernels
+from .runtime.kernels.select import Kernels, slot_room
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
@@ -96,8 +97,11 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     ops = build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
 
+    def room(layout: UnitLayout) -> int:
+        return slot_room(layout, device, dtype) if config.kernels == "auto" else 0
+
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context), config.direct_io)
+        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context), config.direct_io, room)
 
     placement, use_direct = plan(checkpoint)
     if mode in ("auto", "mtp"):

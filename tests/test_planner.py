@@ -168,6 +168,34 @@ def test_planned_sizes_and_placement_equal_the_store(checkpoint_factory, arch):
     assert json.loads(p.placement.to_json()) == json.loads(engine.to_json()) and direct == p.direct_io
 
 
+@pytest.mark.parametrize("quant", ["ct-int4", "ct-int8", "gptq"])
+def test_planned_kernel_room_equals_the_store(checkpoint_factory, quant):
+    """On a CPU the slots of a quantized checkpoint also hold their units' kernel forms: the plan sizes them
+    as the engine does (planner/kernel_room.py), so both place the same slots."""
+    import torch
+
+    from offload_engine.checkpoint.model import open_model
+    from offload_engine.runtime.arch import build_ops
+    from offload_engine.runtime.kernels.select import slot_room
+    from offload_engine.store.build import plan_for
+
+    cpu = torch.device("cpu")
+    ck = open_model(checkpoint_factory("qwen3_moe", quant=quant))
+    shape = model_shape(load_model_spec(str(ck.root)))
+    fmt = WeightFormat.of(shape.spec, None)
+    room = {key: slot_room(layout, cpu, torch.float32) for key, layout in ck.layouts.items()}
+    # every decoder unit has quantized linear weights a kernel takes (embeddings and head are kept as floats)
+    assert all(n > 0 for k, n in room.items() if k.kind in ("dense", "expert"))
+    with_room = shape.bytes_of(fmt, False, 4)
+    assert kind_sizes(with_room) == kind_sizes({k: layout.nbytes + room[k] for k, layout in ck.layouts.items()})
+    ram = int(ck.total_bytes * 0.6) + (1 << 20)
+    p = plan(shape, CPU, PlanOptions(ram=ram, context=64, direct_io="on"))
+    ops = build_ops(ck.arch.name, ck.args, cpu, torch.float32)
+    engine, _ = plan_for(ck, ResolvedBudget(device=None, host=ram), cpu, 64 * ops.kv_bytes_per_token(4), "on",
+                         lambda layout: slot_room(layout, cpu, torch.float32))
+    assert json.loads(p.placement.to_json()) == json.loads(engine.to_json())
+
+
 def test_plan_refuses_infeasible_budget_with_numbers():
     shape = model_shape(load_model_spec("Qwen3-30B-A3B"))
     with pytest.raises(BudgetError) as e:

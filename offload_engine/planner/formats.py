@@ -17,11 +17,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
+from ..checkpoint.formats import QuantSpec
 from ..checkpoint.hf_config import ModelSpec
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.naming import TensorSpec, UnitKey
 from ..checkpoint.quant_config import QuantConfig, parse_quant_config
 from ..errors import ConfigError, OffloadEngineError
+from .kernel_room import room_for
 from .quant_sizes import FLOAT_BITS, describe, nominal_bits, quant_spec_for, quantized_bytes, tensor_bytes
 
 DTYPE_BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
@@ -120,6 +122,13 @@ class WeightFormat:
             return tensor_bytes(ts.numel, FLOAT_BITS[stored])
         return math.ceil(ts.numel * self.bits(kind, local, ts) / 8)
 
+    def quantized_spec(self, kind: str, ts: TensorSpec) -> QuantSpec | None:
+        """The QuantSpec this format stores tensor `ts` with, or None where it is kept as a float."""
+        own = ("expert" if kind == "expert" else "dense") in self.own
+        cfg = self.expert if kind == "expert" else self.dense
+        q = quant_spec_for(cfg, kind, ts) if cfg is not None else None
+        return None if q is None or (own and self.stored.get(ts.hf_name) in FLOAT_BITS) else q
+
     def scale_for(self, cfg: QuantConfig, ts: TensorSpec) -> str | None:
         """The scales' dtype as stored (the checkpoint's own format); None: the format's default."""
         if self.stored:
@@ -159,7 +168,12 @@ def _stored(folder: str, shards: tuple) -> Mapping[str, str]:
     return {name: rec.dtype for name, rec in index.tensors.items()}
 
 
-def unit_bytes(key: UnitKey, specs: Mapping[str, TensorSpec], fmt: WeightFormat) -> int:
+def unit_bytes(key: UnitKey, specs: Mapping[str, TensorSpec], fmt: WeightFormat, kernel_itemsize: int = 0) -> int:
     """A unit's bytes under `fmt`: its tensors' bytes, without the alignment padding between them that a unit's
-    blob adds (checkpoint/layout.py: at most the element size of each tensor less one byte)."""
-    return sum(fmt.tensor_bytes(key.kind, local, ts) for local, ts in specs.items())
+    blob adds (checkpoint/layout.py: at most the element size of each tensor less one byte); with
+    `kernel_itemsize` (the CPU's compute dtype), plus the room its slot keeps for the CPU kernels' forms."""
+    room = 0
+    if kernel_itemsize:
+        quantized = (fmt.quantized_spec(key.kind, ts) for ts in specs.values())
+        room = room_for((q for q in quantized if q is not None), kernel_itemsize)
+    return room + sum(fmt.tensor_bytes(key.kind, local, ts) for local, ts in specs.items())

@@ -89,13 +89,14 @@ class ModelShape:
             self.cache["params"] = param_counts(self.schema, self.spec.num_experts_per_tok)
         return self.cache["params"]
 
-    def bytes_of(self, fmt: "WeightFormat", with_mtp: bool) -> dict[UnitKey, int]:
-        """Bytes of every unit under `fmt` (the MTP units too when `with_mtp`)."""
-        key = ("bytes", fmt, with_mtp)
+    def bytes_of(self, fmt: "WeightFormat", with_mtp: bool, kernel_itemsize: int = 0) -> dict[UnitKey, int]:
+        """Bytes of every unit under `fmt` (the MTP units too when `with_mtp`); with `kernel_itemsize`, what each
+        unit's slot holds on a CPU: the unit and its kernel forms' room (planner/kernel_room.py)."""
+        key = ("bytes", fmt, with_mtp, kernel_itemsize)
         if key not in self.cache:
-            units = {k: unit_bytes(k, v, fmt) for k, v in self.schema.units.items()}
+            units = {k: unit_bytes(k, v, fmt, kernel_itemsize) for k, v in self.schema.units.items()}
             if with_mtp:
-                units.update({k: unit_bytes(k, v, fmt) for k, v in self.mtp.units.items()})
+                units.update({k: unit_bytes(k, v, fmt, kernel_itemsize) for k, v in self.mtp.units.items()})
             self.cache[key] = units
         return self.cache[key]
 
@@ -216,7 +217,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         vram = max(profile.vram_bytes - reserve["device"] - act, 0)
     if ram is None:
         ram = max(profile.ram_bytes - reserve["host"] - (0 if profile.has_gpu else act + (vram or 0)), 0)
-    placement, direct = place(units, device_budget=vram, host_budget=ram, kv_bytes=kv_charge,
+    # a CPU's slots also hold their units' kernel forms (what the engine's slots are sized with); reads move `units`
+    slots = units if profile.has_gpu else shape.bytes_of(fmt, use_mtp, itemsize)
+    placement, direct = place(slots, device_budget=vram, host_budget=ram, kv_bytes=kv_charge,
                               direct_io=o.direct_io, gpu=profile.has_gpu)
     sizes = placement.sizes
     fit = physical_fit(placement, activations, reserve, profile)

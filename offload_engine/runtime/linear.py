@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from ..checkpoint.formats import PRIMARY, decode, part_name
 from . import dequant
-from .kernels.select import fast_linear
+from .kernels.select import W as KERNEL_FORM
+from .kernels.select import fast_linear, kernel_dense
 
 Weights = Mapping[str, torch.Tensor]
 
 
 def is_quantized(w: Weights, name: str) -> bool:
-    return name not in w and _primary(w, name) is not None
+    return name not in w and (_primary(w, name) is not None or name + KERNEL_FORM in w)
 
 
 def _primary(w: Weights, name: str) -> str | None:
@@ -43,7 +44,10 @@ def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tens
         return plain
     key = _primary(w, name)
     if key is None:
-        raise KeyError(name)
+        got = kernel_dense(w, name, dtype or torch.float32)  # the stored data became the kernel form in place
+        if got is None:
+            raise KeyError(name)
+        return got
     q = decode(key[len(name) + len(PRIMARY):])
     data, scale = w[key], w[part_name(name, "scale")]
     if dtype is None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
+from ..checkpoint.layout import UnitLayout
 from ..checkpoint.model import ModelCheckpoint
 from ..constants import READER_THREADS, STALL_TIMEOUT_S
 from ..errors import ConfigError
@@ -14,14 +16,15 @@ from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
 
 
 def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.device, kv_bytes: int,
-             direct_io: str) -> tuple[Placement, bool]:
+             direct_io: str, room: Callable[[UnitLayout], int] | None = None) -> tuple[Placement, bool]:
     """The planner's placement (planner.placement.place) for this checkpoint on `device`: this only gathers its
-    inputs, the units' bytes and, on CUDA without a device budget, 90% of the VRAM free now."""
+    inputs, the units' bytes and, on CUDA without a device budget, 90% of the VRAM free now. `room`: what a
+    slot needs beyond a unit's bytes (the CPU kernels' forms: planner/kernel_room.py)."""
     device_budget = budget.device
     if device_budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         device_budget = int(free * 0.9)
-    units = {key: layout.nbytes for key, layout in checkpoint.layouts.items()}
+    units = {key: layout.nbytes + (room(layout) if room else 0) for key, layout in checkpoint.layouts.items()}
     return place(units, device_budget=device_budget, host_budget=budget.host, kv_bytes=kv_bytes,
                  direct_io=direct_io, gpu=device.type == "cuda")
 

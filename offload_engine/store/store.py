@@ -66,13 +66,15 @@ class TieredStore:
         self.files, self.direct_io = self.io.files, self.io.direct_io
         self.stats = StoreStats(io=self.io.counters)
         self._lock = threading.RLock()
-        self.prepared = Prepared(prepare, ledger) if prepare is not None else None
         self._host_held: dict[UnitKey, int] = {}  # host-tier references handed to callers (acquire's on_host)
         cuda = device.type == "cuda"
         self.tiers = [Tier(plan.name, device if plan.name == "device" else torch.device("cpu"), set(plan.pinned))
                       for plan in placement.tiers]
         self.compute = self.tiers[0]
         self.host = self.tiers[1] if len(self.tiers) > 1 else None
+        # kernel forms go in place only on the compute tier: the host tier's slots are what copies read from
+        self.prepared = (Prepared(prepare, ledger, frozenset({self.compute.name})) if prepare is not None
+                         else None)
         self.evictor = Evictor(self.tiers, self._lock, self.stats, policy,
                                expert_layers=len({k.layer for k in checkpoint.layouts if k.kind == "expert"}) or 1,
                                expert_floor=max(1, checkpoint.spec.num_experts_per_tok),

@@ -12,7 +12,7 @@ from ..checkpoint.formats import keeps_stored_dtype
 from ..checkpoint.layout import UnitLayout
 from ..checkpoint.naming import UnitKey
 from ..errors import BudgetError, out_of_memory_as_error
-from ..planner.placement import KindSize, TierPlan
+from ..planner.placement import ROW_KINDS, KindSize, TierPlan
 from .hostmem import host_buffer, pinned_host_buffer
 from .ledger import Ledger
 from .weights import Weights
@@ -47,8 +47,9 @@ class Slot:
     # typed views of the unit last viewed here, for which (key, offset), and the names of those that need a cast
     # to the compute dtype: valid while (key, offset) match, a unit's layout in its blob being fixed (building
     # them costs ~30 us of Python per acquire)
-    views: tuple[tuple[UnitKey, int], dict[str, torch.Tensor], frozenset[str]] | None = None
+    views: tuple[tuple[UnitKey, int, int], dict[str, torch.Tensor], frozenset[str]] | None = None
     prepared_bytes: int = 0  # charged for the tensors `prepare` added to those views (Prepared)
+    fills: int = 0  # units placed here so far: views (and kernel forms written over the bytes) are per fill
 
     def state(self) -> SlotState:
         fut = self.loading
@@ -58,7 +59,7 @@ class Slot:
         """The typed views of `layout`'s unit in this slot, plain floating ones cast to `dtype` (and the tensors
         `prepare` derives from them, built with them)."""
         cached = self.views
-        if cached is None or cached[0] != (layout.key, self.offset):
+        if cached is None or cached[0] != (layout.key, self.offset, self.fills):
             if prepare is not None:
                 prepare.drop(self)
             self.views = None  # the old unit's views (and what was derived from them) go now
@@ -66,8 +67,8 @@ class Slot:
             cast = frozenset(k for k, v in views.items()
                              if v.is_floating_point() and v.dtype != dtype and not keeps_stored_dtype(k))
             if prepare is not None:
-                views = prepare.add(self, views, dtype)
-            cached = self.views = ((layout.key, self.offset), views, cast)
+                views = prepare.add(self, views, dtype, self.blob[self.offset + layout.nbytes:])
+            cached = self.views = ((layout.key, self.offset, self.fills), views, cast)
         _, views, cast = cached
         # a copy: callers may rebind entries, never the slot's cached views
         return {k: (v.to(dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
@@ -75,36 +76,57 @@ class Slot:
 
 @dataclass(eq=False)
 class Prepared:
-    """Tensors the runtime derives from a unit's views (runtime/kernels: weights repacked for a CPU kernel),
-    built once when a slot's views of the unit are and dropped with them. Their new bytes are charged to the
-    slot's tier before they are built, like every byte the store holds; where the budget has no room they are
-    not built (`declined`) and the runtime computes that unit by dequantizing. `hook`: plan(views, dtype) ->
-    items with .nbytes; build(views, items, dtype) -> (tensors, bytes of items it could not build)."""
+    """Tensors the runtime derives from a unit's views (runtime/kernels: weights in a CPU kernel's form), built
+    once when a slot's views of the unit are and dropped with them. `hook`: plan(views, dtype) -> items with
+    .tail / .nbytes; carver(tail) -> something with .fits(nbytes); build(views, items, dtype, carver or None) ->
+    runtime.kernels.select.Built.
+
+    On the tiers in `in_place_tiers` (the compute tier: its slots are never copied from) the forms' data goes
+    over the stored data in place and the rest into the slot's tail, which the planner sized for it
+    (planner/kernel_room.py): no new bytes. Elsewhere, or where the tail is short, the forms are new tensors
+    charged to the slot's tier before they are built, like every byte the store holds; where the budget has no
+    room they are not built (`declined`) and the runtime computes that unit by dequantizing."""
 
     hook: Any
     ledger: Ledger
+    in_place_tiers: frozenset[str] = frozenset()
+    built: int = 0  # units given kernel forms
+    in_place: int = 0  # of which written over their stored data and carved from their slot's tail
     declined: int = 0  # units computed without their derived tensors for want of budget
     WHAT = "repacked weights"
 
-    def add(self, slot: Slot, views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def add(self, slot: Slot, views: dict[str, torch.Tensor], dtype: torch.dtype,
+            tail: torch.Tensor) -> dict[str, torch.Tensor]:
         planned = self.hook.plan(views, dtype)
         if not planned:
             return views
-        nbytes = sum(p.nbytes for p in planned)
+        carver = None
+        if slot.tier in self.in_place_tiers and slot.kind not in ROW_KINDS:
+            carver = self.hook.carver(tail)
+            if not carver.fits(sum(p.tail for p in planned)):
+                carver = None
+        nbytes = 0 if carver is not None else sum(p.nbytes for p in planned)
         try:
-            self.ledger.charge(slot.tier, nbytes, self.WHAT)
+            if nbytes:
+                self.ledger.charge(slot.tier, nbytes, self.WHAT)
         except BudgetError:
             self.declined += 1
             return views
         try:
-            extra, unused = self.hook.build(views, planned, dtype)
+            built = self.hook.build(views, planned, dtype, carver)
         except BaseException:
-            self.ledger.credit(slot.tier, nbytes, self.WHAT)
+            if nbytes:
+                self.ledger.credit(slot.tier, nbytes, self.WHAT)
             raise
+        unused = built.unused if carver is None else 0
         if unused:
             self.ledger.credit(slot.tier, unused, self.WHAT)
         slot.prepared_bytes = nbytes - unused
-        return {**views, **extra}
+        if built.tensors:
+            self.built += 1
+            self.in_place += carver is not None
+        kept = {k: v for k, v in views.items() if k not in built.replaced}  # overwritten: no longer the stored form
+        return {**kept, **built.tensors}
 
     def drop(self, slot: Slot) -> None:
         if slot.prepared_bytes:
@@ -187,6 +209,7 @@ class Tier:
     def place(self, slot: Slot, key: UnitKey) -> None:
         """`slot` now holds `key` (an empty slot, or one whose unit was `unplace`d)."""
         slot.key = key
+        slot.fills += 1  # new bytes are coming: the last fill's views (and forms in place) no longer hold
         self.resident[key] = slot
         self.by_layer.setdefault(slot.kind, {}).setdefault(key.layer, {})[slot.index] = slot
         self.stamp(slot, slot.last_use)  # in the recency heap at its current age until it is used

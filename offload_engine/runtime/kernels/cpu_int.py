@@ -28,24 +28,15 @@ import sys
 import torch
 
 from ...checkpoint.formats import QuantSpec
+from ...planner.kernel_room import int4_group
 from .. import dequant
 
-INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
 F32 = torch.float32
 
 
 def available() -> bool:
     return (sys.byteorder == "little" and hasattr(torch, "_weight_int8pack_mm")
             and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
-
-
-def int4_group(q: QuantSpec) -> int | None:
-    """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
-    strategies): the largest kernel size dividing it (scales repeated), or None."""
-    span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
-    if q.out % 16 or q.inp % 2:
-        return None
-    return next((g for g in INT4_GROUPS if span % g == 0 and q.inp % g == 0), None)
 
 
 def in_order(g_idx: torch.Tensor | None, q: QuantSpec) -> bool:
@@ -140,3 +131,30 @@ def int8_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, term: torch.Tenso
     if term is not None:  # W = (q - z) * s: subtract sum_k x[m, k] * z[n] * s[n]
         y = y - x2.sum(-1, keepdim=True, dtype=F32).to(y.dtype) * term
     return y.reshape(*lead, -1)
+
+
+def int4_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [N, K] values (0..15) of torch's CPU int4 pack: rows in blocks of 64, byte (k, i) of a block holding
+    rows i (low nibble) and i + 32 (high); the last N % 64 rows as byte (k, j) = rows 2j (low), 2j + 1 (high)."""
+    b = packed.reshape(-1)
+    full = n // 64 * 64
+    blk = b[:full * k // 2].view(n // 64, k, 32)
+    head = torch.cat((blk & 15, blk >> 4), dim=2).permute(0, 2, 1).reshape(full, k)
+    rest = b[full * k // 2:].view(k, (n - full) // 2)
+    tail = torch.stack((rest & 15, rest >> 4), dim=2).reshape(k, n - full).t()
+    return torch.cat((head, tail))
+
+
+def int4_dense(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The weight the int4 kernel multiplies by, [N, K] in float32: (q - 8) * scale + zero per group."""
+    groups, n = sz.shape[0], sz.shape[1]
+    k = packed.numel() * 2 // n
+    q = int4_nibbles(packed, n, k).to(F32) - 8
+    s, z = (sz[..., i].t().to(F32).repeat_interleave(k // groups, dim=1) for i in (0, 1))
+    return q * s + z
+
+
+def int8_dense(w: torch.Tensor, s: torch.Tensor, term: torch.Tensor | None) -> torch.Tensor:
+    """The weight the int8 kernel multiplies by, [N, K] in float32: q * s (less the zero term z * s)."""
+    out = w.to(F32) * s.to(F32)[:, None]
+    return out if term is None else out - term.to(F32)[:, None]

@@ -4,9 +4,15 @@ The store calls `Kernels.plan` / `Kernels.build` once when a unit's views are bu
 `prepare`): the kernels' forms of its quantized weights are added to the unit's Weights as
 `<local>@k:w` (the weight as the kernel reads it), `<local>@k:s` (scales), `@k:t` (int8 zero term) and, on CUDA,
 `@k:z` / `@k:m` (zero points, format numbers). They live exactly as long as the slot's views of that unit (the
-store drops them with the views when the slot takes another unit) and their new bytes are charged to the slot's
-tier before they are built (store/tier.py Prepared). `linear()` (runtime/linear.py) calls `fast_linear`, which
-uses them when present and otherwise says None: dequantize-then-matmul.
+store drops them with the views when the slot takes another unit or is read into again).
+
+Where they go (store/tier.py Prepared decides): on the compute tier, whose slots are never copied from, the CPU
+forms' data is written over the stored data in place (the same bytes or fewer: planner/kernel_room.py) and their
+scales carved from the slot's tail, which the planner sized for them, so they cost the budget nothing more; the
+stored data's name then leaves the unit's Weights, and `dense()` reads the kernel form (`kernel_dense`). Elsewhere
+(a host tier that feeds another, a slot without the tail) they are new tensors charged to the tier first.
+`linear()` (runtime/linear.py) calls `fast_linear`, which uses them when present and otherwise says None:
+dequantize-then-matmul.
 
 Paths (docs/FORMATS.md has the table with the tolerances measured):
   CPU   int4: compressed-tensors int4 group/channel, GPTQ 4-bit in order, AWQ -> cpu_int int4 (repacked: the same
@@ -24,7 +30,9 @@ from typing import Mapping
 
 import torch
 
-from ...checkpoint.formats import PRIMARY, QuantSpec, decode, part_name
+from ...checkpoint.formats import PRIMARY, QuantSpec, part_name
+from ...checkpoint.layout import UnitLayout
+from ...planner.kernel_room import ALIGN, cpu_path, data_bytes, quantized_specs, tail_bytes, unit_room
 from . import cpu_int, fp8, triton_int
 
 W, S, T, Z, M = "@k:w", "@k:s", "@k:t", "@k:z", "@k:m"
@@ -35,25 +43,44 @@ class Planned:
     local: str
     q: QuantSpec
     path: str  # cpu_int4 | cpu_int8 | triton | fp8
-    nbytes: int  # new bytes its kernel form allocates (views of the stored tensors cost none)
+    tail: int  # bytes of its scales / zero terms (carved from the slot's tail, or allocated)
+    copy: int  # bytes of its data where it cannot be written in place (views of the stored tensors cost none)
+
+    @property
+    def nbytes(self) -> int:
+        """New bytes its kernel form allocates when neither in place nor carved."""
+        return self.tail + self.copy
 
 
-def quantized(views: Mapping[str, torch.Tensor]) -> list[tuple[str, QuantSpec]]:
-    return [(k.split(PRIMARY, 1)[0], decode(k.split(PRIMARY, 1)[1])) for k in views if PRIMARY in k]
+class Carver:
+    """Tensors carved from a slot's tail (`room`, uint8), each on an ALIGN boundary of its address."""
+
+    def __init__(self, room: torch.Tensor):
+        self.room, self.at = room, (-room.data_ptr()) % ALIGN
+
+    def fits(self, nbytes: int) -> bool:
+        return self.at + nbytes <= self.room.numel()
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        dst = self.room[self.at:self.at + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        self.at += -(-n // ALIGN) * ALIGN
+        return dst
+
+
+def over(data: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t` written over the stored tensor `data`'s bytes (t has as many or fewer), as a view of them."""
+    dst = data.reshape(-1).view(torch.uint8)[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    if dst.data_ptr() != t.data_ptr():
+        dst.copy_(t)
+    return dst
 
 
 def path_for(q: QuantSpec, device: torch.device) -> str | None:
     """The fast path a weight stored as `q` takes on `device`, or None (dequantize)."""
     if device.type == "cpu":
-        if not cpu_int.available():
-            return None
-        if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and cpu_int.int4_group(q) is not None:
-            return "cpu_int4"
-        if q.bits == 8 and not q.float_values and (
-                (q.kind in ("ct_pack", "ct_naive") and q.strategy == "channel")
-                or (q.kind == "gptq" and q.group == q.inp)):
-            return "cpu_int8"
-        return None
+        return cpu_path(q) if cpu_int.available() else None
     if device.type == "cuda":
         if q.kind == "ct_pack" and q.strategy in ("group", "channel") and triton_int.available():
             return "triton"
@@ -62,11 +89,20 @@ def path_for(q: QuantSpec, device: torch.device) -> str | None:
     return None
 
 
-def _cpu_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
-    if path == "cpu_int4":
-        return q.out * q.inp // 2 + (q.inp // cpu_int.int4_group(q)) * q.out * 2 * itemsize
-    copy = q.out * q.inp if q.kind != "ct_naive" else 0  # int-quantized data is used as stored
-    return copy + 2 * q.out * itemsize
+@dataclass
+class Built:
+    tensors: dict[str, torch.Tensor]  # the kernel forms' tensors, by their `<local>@k:...` names
+    unused: int  # planned bytes of the forms it could not build (act-order GPTQ: its g_idx is data)
+    replaced: list[str]  # stored data names whose bytes now hold a kernel form (in place)
+
+
+def slot_room(layout: UnitLayout, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes a slot of `device` needs beyond `layout`'s unit for the CPU kernels' forms of its weights (the
+    planner sizes slots with it: planner/kernel_room.py); 0 where none applies."""
+    if device.type != "cpu" or not cpu_int.available():
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return unit_room((s.local for s in layout.slices), itemsize)
 
 
 class Kernels:
@@ -76,19 +112,27 @@ class Kernels:
     def plan(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[Planned]:
         out = []
         itemsize = torch.empty((), dtype=dtype).element_size()
-        for local, q in quantized(views):
+        for local, q in quantized_specs(views):
             device = views[part_name(local, "scale")].device
             path = path_for(q, device)
-            if path is not None:
-                nbytes = _cpu_bytes(q, path, itemsize) if path.startswith("cpu") else 0
-                out.append(Planned(local, q, path, nbytes))
+            if path is None:
+                continue
+            if path.startswith("cpu"):
+                copy = data_bytes(q, path) if (q.kind, path) != ("ct_naive", "cpu_int8") else 0
+                out.append(Planned(local, q, path, tail_bytes(q, path, itemsize), copy))
+            else:
+                out.append(Planned(local, q, path, 0, 0))
         return out
 
-    def build(self, views: Mapping[str, torch.Tensor], planned: list[Planned], dtype: torch.dtype
-              ) -> tuple[dict[str, torch.Tensor], int]:
-        """The kernel forms of the planned weights, and the bytes of those it could not build (act-order GPTQ:
-        its g_idx is data), which the caller credits back."""
-        extra: dict[str, torch.Tensor] = {}
+    def carver(self, tail: torch.Tensor) -> Carver:
+        return Carver(tail)
+
+    def build(self, views: Mapping[str, torch.Tensor], planned: list[Planned], dtype: torch.dtype,
+              carver: Carver | None = None) -> Built:
+        """The kernel forms of the planned weights. With `carver` (the slot's tail, sized by the planner for
+        them) their data is written over the stored data in place and their other tensors carved from the tail;
+        every form is computed before any stored byte is overwritten, so a failure leaves the unit as read."""
+        forms: list[tuple[Planned, torch.Tensor, dict[str, torch.Tensor]]] = []
         unused = 0
         for p in planned:
             data = next(v for k, v in views.items() if k.startswith(p.local + PRIMARY))
@@ -98,8 +142,20 @@ class Kernels:
             if got is None:
                 unused += p.nbytes
             else:
-                extra.update({p.local + suffix: t for suffix, t in got.items() if t is not None})
-        return extra, unused
+                forms.append((p, data, {p.local + suffix: t for suffix, t in got.items() if t is not None}))
+        built = Built({}, unused, [])
+        for p, data, tensors in forms:
+            if carver is not None and p.path.startswith("cpu"):
+                stored = next(k for k in views if k.startswith(p.local + PRIMARY))
+                kernel_data = tensors[p.local + W]
+                tensors[p.local + W] = over(data, kernel_data)
+                if kernel_data.data_ptr() != data.data_ptr():
+                    built.replaced.append(stored)
+                for name, t in tensors.items():
+                    if name != p.local + W and name != p.local + M:
+                        tensors[name] = carver.place(t)
+            built.tensors.update(tensors)
+        return built
 
 
 def _build(p: Planned, parts: dict, dtype: torch.dtype) -> dict[str, torch.Tensor | None] | None:
@@ -127,3 +183,16 @@ def fast_linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> to
     if packed.dtype == torch.int32:
         return triton_int.linear(x, packed, scale, w.get(name + Z), w[name + M])
     return fp8.linear(x, packed, scale, w[name + M])
+
+
+def kernel_dense(w: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight `name` as a dense [out, in] tensor from its CPU kernel form, where that form replaced the stored
+    data in place (the unit no longer holds it), else None."""
+    packed = w.get(name + W)
+    if packed is None:
+        return None
+    if packed.dtype == torch.uint8:
+        return cpu_int.int4_dense(packed, w[name + S]).to(dtype)
+    if packed.dtype == torch.int8:
+        return cpu_int.int8_dense(packed, w[name + S], w.get(name + T)).to(dtype)
+    return None

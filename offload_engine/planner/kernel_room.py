@@ -1,0 +1,74 @@
+"""Which CPU kernel a quantized weight takes, and the room its kernel form needs beside the stored bytes.
+
+The CPU kernels (runtime/kernels/cpu_int.py) read a weight repacked once when its unit lands in a slot. The
+repacked data has the stored data's bytes or fewer (int4: N*K/2, as many as the file's nibbles; int8: N*K), so
+where the unit's slot is never copied from (the compute tier) it is written over the stored data in place; what
+the kernel needs besides, its scales (and zero terms) in the compute dtype, goes in the slot's tail, after the
+unit's bytes. The planner sizes every slot of a kind for its unit plus that tail (`unit_room`), so an offloaded
+run computes every unit with the kernel and its budget still holds: the figure here is what both the planner
+and the store's carving use, one formula for both.
+
+A pure function of the QuantSpec: whether torch has the kernels at all is the runtime's question
+(cpu_int.available()).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..checkpoint.formats import PRIMARY, QuantSpec, decode
+
+INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
+ALIGN = 64  # each tensor carved from a slot's tail starts on this boundary
+
+
+def int4_group(q: QuantSpec) -> int | None:
+    """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
+    strategies): the largest kernel size dividing it (scales repeated), or None."""
+    span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
+    if q.out % 16 or q.inp % 2:
+        return None
+    return next((g for g in INT4_GROUPS if span % g == 0 and q.inp % g == 0), None)
+
+
+def cpu_path(q: QuantSpec) -> str | None:
+    """cpu_int4 | cpu_int8 for a weight stored as `q` that a CPU kernel takes, else None (dequantize)."""
+    if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and int4_group(q) is not None:
+        return "cpu_int4"
+    if q.bits == 8 and not q.float_values and (
+            (q.kind in ("ct_pack", "ct_naive") and q.strategy == "channel")
+            or (q.kind == "gptq" and q.group == q.inp)):
+        return "cpu_int8"
+    return None
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def tail_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
+    """The kernel form's tensors besides its data, carved from the slot's tail: int4's scales and zero terms
+    [K/g, N, 2]; int8's scales [N] and zero terms [N]."""
+    if path == "cpu_int4":
+        return aligned((q.inp // int4_group(q)) * q.out * 2 * itemsize)
+    return 2 * aligned(q.out * itemsize)
+
+
+def data_bytes(q: QuantSpec, path: str) -> int:
+    """The kernel form's data: written over the stored data in place, or a copy where that is not allowed."""
+    return q.out * q.inp // 2 if path == "cpu_int4" else q.out * q.inp
+
+
+def quantized_specs(names: Iterable[str]) -> list[tuple[str, QuantSpec]]:
+    """(weight, QuantSpec) of every quantized weight among a unit's tensor names (`<weight>@q:<tag>`)."""
+    return [(n.split(PRIMARY, 1)[0], decode(n.split(PRIMARY, 1)[1])) for n in names if PRIMARY in n]
+
+
+def unit_room(names: Iterable[str], itemsize: int) -> int:
+    """Bytes a slot needs beyond a unit with these tensors for the CPU kernels' forms of its weights."""
+    return room_for((q for _, q in quantized_specs(names)), itemsize)
+
+
+def room_for(specs: Iterable[QuantSpec], itemsize: int) -> int:
+    """The tails of these weights' kernel forms, plus the alignment of the tail's start (0 if none applies)."""
+    tails = [tail_bytes(q, p, itemsize) for q in specs if (p := cpu_path(q)) is not None]
+    return ALIGN + sum(tails) if tails else 0
