@@ -89,8 +89,8 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
         raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
     speculative, mode = config.speculative, config.speculative.mode
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     checkpoint = open_model(path, allow_cast=config.allow_cast)
+    dtype = resolve_dtype(config.dtype, device, checkpoint.spec.dtype)
     # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
     resolved = config.budget.resolve(checkpoint.index.total_bytes)
     context = config.max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)

@@ -59,10 +59,14 @@ class Budget:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """Compute dtype: float32 on CPU, bfloat16 on CUDA unless asked otherwise."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
+    """Compute dtype, unless asked: bfloat16 on CUDA; on a CPU the checkpoint's own (`stored`, config.json's
+    dtype) where it is bfloat16 and the CPU multiplies bfloat16 natively (oneDNN's AVX512-BF16 / AMX path: 4-5x
+    the float32 decode speed on such a checkpoint, docs/PERF.md), else float32 (what the parity tests use)."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (stored == "bfloat16" and cpu_computes_bf16()):
+            return torch.bfloat16
+        return torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ConfigError(f"dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
@@ -71,6 +75,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if name not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has native bfloat16 matmuls (without them torch converts, slower than float32)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -123,7 +135,8 @@ class EngineConfig:
     """Every option of Engine.open. Validated when built (ConfigError naming the flag); the device and dtype are
     resolved when the engine is assembled (resolve_device, resolve_dtype), and checked here already.
 
-    budget: bytes per tier; device / dtype: None picks (cuda when available, bfloat16 there, float32 on CPU);
+    budget: bytes per tier; device / dtype: None picks (cuda when available; bfloat16 there, and on a CPU for a
+    bfloat16 checkpoint where the CPU computes it natively, else float32: resolve_dtype);
     max_context: KV positions reserved (default: the checkpoint's, at most constants.DEFAULT_CONTEXT);
     policy: expert cache eviction (store/policy.py POLICIES); direct_io: O_DIRECT reads (modes.DIRECT_IO_MODES);
     prefetch: True (defaults), False, or a PrefetchConfig (kept as a PrefetchConfig); trace: a routing trace

@@ -109,3 +109,21 @@ def test_the_parts_come_from_the_assembly_and_stats_from_their_snapshots(checkpo
     tier = engine.compute_tier
     looked = after["hits"][tier] + after["misses"][tier] - before["hits"][tier] - before["misses"][tier]
     assert stats["hit_rate"] == pytest.approx((after["hits"][tier] - before["hits"][tier]) / looked)
+
+
+def test_the_cpu_default_dtype_follows_a_bf16_checkpoint(checkpoint_factory):
+    """On a CPU the compute dtype defaults to the checkpoint's where it is bfloat16 and the CPU multiplies it
+    natively (config.resolve_dtype), float32 otherwise (stats name it, "dtype"); an explicit dtype wins."""
+    import torch
+
+    from offload_engine.config import cpu_computes_bf16, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, cpu, "float32") == torch.float32
+    assert resolve_dtype(None, cpu, "bfloat16") == (torch.bfloat16 if cpu_computes_bf16() else torch.float32)
+    assert resolve_dtype("float32", cpu, "bfloat16") == torch.float32
+    path = checkpoint_factory("llama", dtype="bfloat16")
+    with Engine.open(path, device="cpu") as engine:
+        assert str(engine.dtype).replace("torch.", "") == ("bfloat16" if cpu_computes_bf16() else "float32")
+    with Engine.open(path, device="cpu", dtype="float32") as engine:
+        assert str(engine.dtype).replace("torch.", "") == "float32"

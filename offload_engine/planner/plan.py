@@ -207,7 +207,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     use_mtp = bool(shape.mtp.units) and o.spec in ("mtp", "auto")
     units = shape.bytes_of(fmt, use_mtp)
     separate_host = profile.has_gpu or o.vram is not None
-    itemsize = 2 if profile.has_gpu else 4  # the engine computes in bf16 on CUDA, fp32 on CPU
+    # the engine computes in bf16 on CUDA, and on a CPU for a bf16 checkpoint (config.resolve_dtype: the
+    # profile's CPU is taken to multiply bf16 natively, as every server CPU since 2020 does), else in fp32
+    itemsize = 2 if profile.has_gpu or spec.dtype == "bfloat16" else 4
     kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
     act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
