@@ -113,10 +113,11 @@ class ModelShape:
     def layer_types(self) -> list[str]:
         return kv.layer_types(self.spec)
 
-    def kv_bytes(self, positions: int, itemsize: int, with_mtp: bool = False) -> int:
-        """KV cache for `positions` (plus the fixed recurrent state of linear-attention layers)."""
+    def kv_bytes(self, positions: int, itemsize: int, with_mtp: bool = False, kv_dtype: str = "auto") -> int:
+        """KV cache for `positions` stored as `kv_dtype` (plus the fixed recurrent state of linear-attention
+        layers)."""
         mtp_layers = len({k.layer for k in self.mtp.keys()}) if with_mtp else 0
-        return kv.kv_bytes(self.spec, positions, itemsize, mtp_layers=mtp_layers)
+        return kv.kv_bytes(self.spec, positions, itemsize, mtp_layers=mtp_layers, kv_dtype=kv_dtype)
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -159,6 +160,7 @@ class PlanOptions:
     drafts: int | None = None
     overhead_scale: float = 1.0  # multiplies dispatch and bookkeeping costs; 0: the bound the hardware sets
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward (run --prefill-chunk)
+    kv_dtype: str = "auto"  # the KV cache's storage (run --kv-dtype; planner/kv.py charges its real size)
 
 
 @dataclass
@@ -184,6 +186,15 @@ class Plan:
     fit: dict[str, tuple[int, int]] = field(default_factory=dict)  # "VRAM" / "RAM" -> (charged bytes, physical)
 
     @property
+    def kv_bytes_per_position(self) -> int:
+        """The main model's attention entries for one position, as --kv-dtype stores them."""
+        return kv.kv_bytes_per_position(self.shape.spec, self.kv_itemsize, self.options.kv_dtype)
+
+    @property
+    def kv_itemsize(self) -> int:
+        return kv_itemsize(self.profile)
+
+    @property
     def bytes_total(self) -> int:
         return sum(n for k, n in self.unit_bytes.items() if k in self.shape.schema.units)
 
@@ -193,6 +204,11 @@ class Plan:
 
 
 SPEC_DEFAULTS = {"mtp": (1, 0.85), "ngram": (3, 0.35)}  # (drafts, per-position acceptance): FIELD-NOTES / stated
+
+
+def kv_itemsize(profile: HardwareProfile) -> int:
+    """The compute dtype's bytes: the engine computes in bf16 on CUDA, fp32 on CPU."""
+    return 2 if profile.has_gpu else 4
 
 
 def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> Plan:
@@ -206,8 +222,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     use_mtp = bool(shape.mtp.units) and o.spec in ("mtp", "auto")
     units = shape.bytes_of(fmt, use_mtp)
     separate_host = profile.has_gpu or o.vram is not None
-    itemsize = 2 if profile.has_gpu else 4  # the engine computes in bf16 on CUDA, fp32 on CPU
-    kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
+    itemsize = kv_itemsize(profile)
+    kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp, kv_dtype=o.kv_dtype)
     act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
     activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
@@ -239,7 +255,7 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         position = o.position if o.position is not None else o.context // 2
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
-            host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize),
+            host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize, kv_dtype=o.kv_dtype),
             overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,
             bounced=("dense", "expert") if fused_experts else ("dense",))
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
