@@ -66,7 +66,8 @@ class QuantizedStorage:
         self.scale[start:end] = scale
 
     def read(self, end: int) -> torch.Tensor:
-        return (self.data[:end].float() * self.scale[:end]).to(self.compute)
+        # in place: a second fresh [end, ...] buffer for the product cost ~7x the multiply on CPU (page faults)
+        return self.data[:end].to(torch.float32).mul_(self.scale[:end]).to(self.compute)
 
 
 def new_storage(kv_dtype: str, capacity: int, entry: torch.Tensor, device: torch.device) -> KVStorage:
