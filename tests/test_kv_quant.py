@@ -136,6 +136,11 @@ def test_speculative_decoding_is_lossless_with_the_same_kv_dtype(kv_dtype):
             out = engine.generate(PROMPT, max_new_tokens=32, ignore_eos=True, spec=mode, spec_depth=3, spec_width=2)
             assert out.token_ids == reference, mode
             assert out.stats["spec_steps"] > 0
+    # a draft model is an engine of its own: its caches use the same storage
+    with Engine.open(default_model_path(), kv_dtype=kv_dtype, max_context=256, spec="draft",
+                     draft_model=default_model_path(), spec_depth=3, spec_width=1) as engine:
+        assert engine.draft.model.kv_dtype == kv_dtype
+        assert engine.generate(PROMPT, max_new_tokens=32, ignore_eos=True).token_ids == reference
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)

@@ -62,8 +62,9 @@ def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int 
              mtp_positions: int | None = None, rollback: int = 0, kv_dtype: str = "auto") -> int:
     """Per-sequence state for `positions`: every attention layer's KV (stored as `kv_dtype`), each linear-attention
     layer's fixed state (with `rollback` logs; always the compute dtype), and `mtp_layers` MTP layers' own caches of
-    `mtp_positions` (default `positions`) entries each. A sliding-window layer (gpt-oss) is charged every position: runtime/kv_cache.py keeps a full-length cache
-    for it and masks to the window (a ring buffer of `sliding_window` entries would save the rest)."""
+    `mtp_positions` (default `positions`) entries each. A sliding-window layer (gpt-oss) is charged every position:
+    runtime/kv_cache.py keeps a full-length cache for it and masks to the window (a ring buffer of `sliding_window`
+    entries would save the rest)."""
     per_token = layer_kv_bytes_per_token(spec, itemsize, kv_dtype)
     # MLA (DeepSeek): every layer caches its latent, whatever else the config says
     types = ["full_attention"] * spec.num_layers if spec.get("kv_lora_rank") else layer_types(spec)

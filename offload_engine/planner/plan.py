@@ -255,7 +255,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         position = o.position if o.position is not None else o.context // 2
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
-            host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize, kv_dtype=o.kv_dtype),
+            host_compute=o.host_compute and profile.has_gpu,
+            kv_read_bytes=shape.kv_bytes(position, itemsize, kv_dtype=o.kv_dtype),
             overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,
             bounced=("dense", "expert") if fused_experts else ("dense",))
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
