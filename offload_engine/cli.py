@@ -281,6 +281,7 @@ def _token_bar(total: int):
 
 def format_stats(stats: dict[str, Any]) -> str:
     hit_rate = 100 * stats["hit_rate"]
+    kv = f", KV {stats['kv_dtype']}" if stats.get("kv_dtype", "auto") != "auto" else ""
     peak = stats["peak_bytes"]
     drafted = ""
     if stats.get("spec", "off") != "off":
@@ -290,7 +291,7 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
             f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
-            f"{stats['device']} {stats['dtype']}]")
+            f"{stats['device']} {stats['dtype']}{kv}]")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

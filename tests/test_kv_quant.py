@@ -252,7 +252,10 @@ def test_run_serve_and_plan_take_the_flag(capsys):
         extra = ["--prompt", "x"] if command == "run" else []
         assert engine_config(build_parser().parse_args([command, "--kv-dtype", "fp8", *extra])).kv_dtype == "fp8"
     assert main(["run", "--prompt", "Hello", "--max-new-tokens", "4", "--kv-dtype", "int8", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 4 and out["stats"]["kv_dtype"] == "int8"
+    assert main(["run", "--prompt", "Hello", "--max-new-tokens", "2", "--kv-dtype", "fp8", "--stats"]) == 0
+    assert "KV fp8]" in capsys.readouterr().err
     assert main(["plan", "--model", str(default_model_path()), "--kv-dtype", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_dtype"] == "int8" and out["kv_bytes_per_position"] == 4 * (48 + 4 + 16 + 4)  # 4 MLA layers
