@@ -14,7 +14,8 @@ import torch
 
 from .constants import PREFILL_CHUNK
 from .errors import ConfigError
-from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, KV_DTYPES
+from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES
+from .planner.kv import check_kv_dtype
 from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
 from .speculative.stepper import check_spec
@@ -177,8 +178,7 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk (--prefill-chunk) must be a positive int, got {chunk!r}")
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        check_kv_dtype(self.kv_dtype)
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"--direct-io must be auto, on or off, got {self.direct_io!r}")
         if not isinstance(self.prefetch, PrefetchConfig):  # a bool: the defaults, enabled or not

@@ -162,6 +162,22 @@ def test_chunked_prefill_stores_what_one_forward_stores(engines, kv_dtype):
                                atol=1e-4 * whole.abs().max().item())
 
 
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_mla_reads_the_quantized_latent_alike_on_both_paths(engines, kv_dtype):
+    """MLA attends either through kv_b_proj-expanded K/V or in latent space (absorbed): both read the same
+    dequantized latent and rope key."""
+    model, ids = engines[kv_dtype].model, torch.arange(3, 40)
+    chosen = model.ops.absorb
+    try:
+        rows = {}
+        for absorb in (True, False):
+            model.ops.absorb = absorb
+            rows[absorb] = model.forward(ids, model.new_cache(len(ids)))
+    finally:
+        model.ops.absorb = chosen
+    torch.testing.assert_close(rows[True], rows[False], rtol=1e-4, atol=1e-4 * rows[False].abs().max().item())
+
+
 def test_prefix_cache_reuse_gives_a_fresh_prefill_s_tokens(engines):
     first = PROMPT + " a"
     engine = engines["int8"]

@@ -26,12 +26,17 @@ QUANTIZED_KV = ("fp8", "int8")  # with one fp32 scale per row (one position's he
 KV_SCALE_BYTES = 4
 
 
+def check_kv_dtype(kv_dtype: object) -> str:
+    """The one check of a --kv-dtype value (EngineConfig, KVCache and the planner all call it)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return kv_dtype
+
+
 def kv_row_bytes(width: int, kv_dtype: str, itemsize: int) -> int:
     """One cached row of `width` values (the unit a quantized cache scales): its data and, quantized, its scale.
     runtime/kv_storage.py allocates exactly this (tests/test_kv_quant.py checks the two agree)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype == "auto":
+    if check_kv_dtype(kv_dtype) == "auto":
         return width * itemsize
     return width * KV_VALUE_BYTES[kv_dtype] + (KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0)
 

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import BudgetError, ConfigError
-from ..modes import KV_DTYPES
+from ..errors import BudgetError
+from ..planner.kv import check_kv_dtype
 from .kv_storage import KVStorage, new_storage
 
 RecurrentState = tuple[torch.Tensor, ...]
@@ -106,11 +106,9 @@ class _StateHistory:
 class KVCache:
     def __init__(self, num_layers: int, capacity: int, device: torch.device | str = "cpu", rollback: int = ROLLBACK,
                  kv_dtype: str = "auto"):
-        if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.capacity = capacity
         self.device = torch.device(device)
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = check_kv_dtype(kv_dtype)  # refused here, not at the first append
         self.length = 0  # committed positions
         self.rollback = rollback  # recurrent layers: positions that can always be rewound
         self._store: list[tuple[KVStorage, ...] | None] = [None] * num_layers

@@ -17,8 +17,6 @@ from typing import Protocol
 
 import torch
 
-from ..errors import ConfigError
-from ..modes import KV_DTYPES
 
 
 class KVStorage(Protocol):
@@ -70,16 +68,14 @@ class QuantizedStorage:
         return self.data[:end].to(torch.float32).mul_(self.scale[:end]).to(self.compute)
 
 
+QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max)}
+
+
 def new_storage(kv_dtype: str, capacity: int, entry: torch.Tensor, device: torch.device) -> KVStorage:
-    """Storage for `capacity` positions of entries shaped like `entry` [T, ...], read back in its dtype."""
+    """Storage for `capacity` positions of entries shaped like `entry` [T, ...], read back in its dtype.
+    kv_dtype: one of modes.KV_DTYPES, checked by the cache (planner.kv.check_kv_dtype)."""
     shape, compute = tuple(entry.shape[1:]), entry.dtype
-    if kv_dtype == "auto":
-        return PlainStorage(capacity, shape, compute, compute, device)
-    if kv_dtype == "bf16":
-        return PlainStorage(capacity, shape, torch.bfloat16, compute, device)
-    if kv_dtype == "int8":
-        return QuantizedStorage(capacity, shape, torch.int8, 127.0, compute, device)
-    if kv_dtype == "fp8":
-        return QuantizedStorage(capacity, shape, torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max,
-                                compute, device)
-    raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype in QUANTIZED:
+        dtype, qmax = QUANTIZED[kv_dtype]
+        return QuantizedStorage(capacity, shape, dtype, qmax, compute, device)
+    return PlainStorage(capacity, shape, torch.bfloat16 if kv_dtype == "bf16" else compute, compute, device)
