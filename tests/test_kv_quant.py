@@ -275,3 +275,25 @@ def test_run_serve_and_plan_take_the_flag(capsys):
     assert main(["plan", "--model", str(default_model_path()), "--kv-dtype", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_dtype"] == "int8" and out["kv_bytes_per_position"] == 4 * (48 + 4 + 16 + 4)  # 4 MLA layers
+
+
+# ---- on a GPU (skipped elsewhere) ---------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_on_cuda_in_bf16(kv_dtype):
+    """What a GPU user runs: bf16 compute, the quantized cache in VRAM, charged at its size (itemsize 2)."""
+    ids = list(range(3, 60))
+    with Engine.open(default_model_path(), device="cpu", max_context=128) as engine:
+        full = engine.logits(ids)
+    err = {}
+    for kv_dtype_ in ("auto", kv_dtype):
+        with Engine.open(default_model_path(), device="cuda", dtype="bfloat16", max_context=128,
+                         kv_dtype=kv_dtype_) as engine:
+            err[kv_dtype_] = ((engine.logits(ids) - full).abs().amax(-1) / full.abs().amax(-1)).median()
+            cache = engine.model.new_cache(64)
+            engine.model.forward(torch.tensor(ids[:8]), cache)
+            assert cache.nbytes == kv.kv_bytes(engine.model.spec, 64, 2, kv_dtype=kv_dtype_)
+            plain = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+            assert engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, spec="ngram").token_ids == plain
+    assert err[kv_dtype] <= (1.5 if kv_dtype == "int8" else 3) * err["auto"], err
