@@ -24,7 +24,7 @@ from offload_engine.checkpoint.hf_config import parse_config
 from offload_engine.planner.plan import PlanOptions, load_model_spec, model_shape, plan
 from offload_engine.runtime.kv_cache import KVCache
 
-from test_planner import CPU
+from test_planner import CPU, GPU
 
 PROMPT = "The history of the printing press begins with"
 NEW = 64
@@ -244,6 +244,22 @@ def test_quantized_positions_cost_about_half_of_bf16(model):
     per = {k: kv.kv_bytes_per_position(spec, 4, k) for k in ("auto", "bf16", *QUANTIZED)}
     for k in QUANTIZED:
         assert per[k] <= 0.57 * per["bf16"] and 2 * per[k] <= 0.57 * per["auto"], per
+
+
+def test_the_plan_charges_the_dequantized_copy_and_its_traffic():
+    """Attention reads a compute-dtype copy of a quantized cache: the plan counts it in the activations (one layer
+    at a time) and in the bytes a step moves, so it never predicts int8 decoding faster than bf16's."""
+    shape, context = model_shape(load_model_spec("Qwen3-30B-A3B")), 32768
+    auto, int8 = (plan(shape, GPU, PlanOptions(context=context, kv_dtype=k)) for k in ("auto", "int8"))
+    assert int8.kv_bytes == kv.kv_bytes(shape.spec, context, 2, kv_dtype="int8") < 0.52 * auto.kv_bytes
+    copy = kv.kv_copy_bytes(shape.spec, context, 2, "int8")
+    assert sum(int8.activations.values()) - sum(auto.activations.values()) == copy > 0
+    assert int8.steps["expected"].seconds >= auto.steps["expected"].seconds
+    assert kv.kv_copy_bytes(shape.spec, context, 2, "auto") == kv.kv_copy_bytes(shape.spec, context, 2, "bf16") == 0
+    cache = KVCache(1, 64, kv_dtype="int8")  # the copy as the cache makes it: K and V in the compute dtype
+    k_all, v_all = cache.append(0, torch.randn(64, 4, 128), torch.randn(64, 4, 128))
+    one_layer = kv.kv_copy_bytes(_spec(4, 128), 64, 4, "int8")
+    assert k_all.nbytes + v_all.nbytes + k_all.nbytes == one_layer  # and the fp32 product of one of them
 
 
 # ---- flags --------------------------------------------------------------------------------------------------------

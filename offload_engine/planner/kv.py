@@ -85,3 +85,27 @@ def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int 
 def kv_bytes_per_position(spec: ModelSpec, itemsize: int, kv_dtype: str = "auto") -> int:
     """What one more position costs: every attention layer's entry (the recurrent state is fixed)."""
     return kv_bytes(spec, 1, itemsize, kv_dtype=kv_dtype) - kv_bytes(spec, 0, itemsize, kv_dtype=kv_dtype)
+
+
+def _reads_a_copy(kv_dtype: str, itemsize: int) -> bool:
+    """Whether attention reads a compute-dtype copy of the cache rather than the cache in place."""
+    return kv_dtype in QUANTIZED_KV or kv_dtype == "bf16" and itemsize != 2
+
+
+def kv_read_bytes(spec: ModelSpec, positions: int, itemsize: int, kv_dtype: str = "auto") -> int:
+    """Bytes a forward moves through attention at `positions`: the cache as stored and, where that is not the
+    compute dtype, the compute-dtype copy runtime/kv_storage.py writes and attention then reads (it dequantizes
+    rather than attending over the stored bytes: a smaller cache, not a faster one)."""
+    stored = kv_bytes(spec, positions, itemsize, kv_dtype=kv_dtype)
+    if not _reads_a_copy(check_kv_dtype(kv_dtype), itemsize):
+        return stored
+    return stored + 2 * positions * kv_bytes_per_position(spec, itemsize)
+
+
+def kv_copy_bytes(spec: ModelSpec, positions: int, itemsize: int, kv_dtype: str = "auto") -> int:
+    """The transient of one attention layer's read where the storage is not the compute dtype: its entries for
+    `positions` in the compute dtype, and a quantized read's fp32 product of the wider one (QuantizedStorage.read)."""
+    if not _reads_a_copy(check_kv_dtype(kv_dtype), itemsize):
+        return 0
+    widest = spec.get("kv_lora_rank") or spec.num_kv_heads * spec.head_dim
+    return positions * (layer_kv_bytes_per_token(spec, itemsize) + (widest * 4 if kv_dtype in QUANTIZED_KV else 0))

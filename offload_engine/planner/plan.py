@@ -224,7 +224,7 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     separate_host = profile.has_gpu or o.vram is not None
     itemsize = kv_itemsize(profile)
     kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp, kv_dtype=o.kv_dtype)
-    act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
+    act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk, o.kv_dtype)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
     activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
     vram, ram = o.vram, o.ram
@@ -256,7 +256,7 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
             host_compute=o.host_compute and profile.has_gpu,
-            kv_read_bytes=shape.kv_bytes(position, itemsize, kv_dtype=o.kv_dtype),
+            kv_read_bytes=kv.kv_read_bytes(spec, position, itemsize, o.kv_dtype),
             overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,
             bounced=("dense", "expert") if fused_experts else ("dense",))
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
@@ -283,11 +283,13 @@ def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: 
             "RAM": (used["host"] + activations.get("host", 0) + reserve["host"], profile.ram_bytes)}
 
 
-def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int = PREFILL_CHUNK) -> int:
+def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int = PREFILL_CHUNK,
+                     kv_dtype: str = "auto") -> int:
     """Largest transient working set: a prompt chunk of min(context, chunk) tokens attending to a full
     context (CausalLM.forward runs longer prompts a chunk at a time), with the logits of every position, P x
     vocab x 4 bytes, as Engine.logits returns them (generation's prefill keeps the last row only); or one
-    decode step at a full context (GQA K/V expanded to all heads)."""
+    decode step at a full context (GQA K/V expanded to all heads). A cache not stored in the compute dtype adds
+    the layer's dequantized copy (kv.kv_copy_bytes)."""
     s = shape.spec
     inter = max(s.intermediate_size, s.get("moe_intermediate_size") or 0)
     heads, D = s.num_heads, s.head_dim
@@ -296,7 +298,8 @@ def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int 
         return (p * s.hidden_size * itemsize * 8 + p * inter * itemsize * 3 + 2 * ctx * heads * D * itemsize
                 + heads * p * ctx * 4 + p * s.vocab_size * 4)
 
-    return max(working(min(context, chunk), context), working(1, context))
+    return (max(working(min(context, chunk), context), working(1, context))
+            + kv.kv_copy_bytes(s, context, itemsize, kv_dtype))
 
 
 def _spec_setup(shape: ModelShape, o: PlanOptions, use_mtp: bool) -> tuple[int, float, dict | None]:
