@@ -276,6 +276,7 @@ class Engine:
             "peak_bytes": _tiers(now["peak_bytes"]),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_dtype": self.model.kv_dtype,
         }
 
 

@@ -101,7 +101,8 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
         return slot_room(layout, device, dtype) if config.kernels == "auto" else 0
 
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context), config.direct_io, room)
+        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context, config.kv_dtype), config.direct_io,
+                        room)
 
     placement, use_direct = plan(checkpoint)
     if mode in ("auto", "mtp"):
@@ -121,14 +122,14 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
                          prefill_chunk=config.prefill_chunk, ops=ops,
                          prefetcher=make_prefetcher(checkpoint, ops, store, config.prefetch, config.trace, predictor),
                          host_compute=make_host_compute(config.host_compute, rates, store),
-                         routing_trace=[] if config.record_routing else None)
+                         routing_trace=[] if config.record_routing else None, kv_dtype=config.kv_dtype)
         if mode == "mtp" and not mtp_supported(model):
             raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                               f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
                               f"{checkpoint.arch.name})")
         tokenizer = Tokenizer.load_optional(checkpoint.root)
         if speculative.draft_model is not None and mode in ("auto", "draft"):
-            draft = _assemble_draft(speculative, config.progress, device, dtype, context)
+            draft = _assemble_draft(speculative, config.progress, device, dtype, context, config.kv_dtype)
             check_same_vocabulary(tokenizer, draft.tokenizer, model.vocab_size, draft.model.vocab_size)
         return EngineParts(checkpoint, store, model, tokenizer, device, dtype, context, speculative, draft)
     except BaseException:  # a Ctrl-C may land anywhere here
@@ -137,11 +138,12 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
 
 
 def _assemble_draft(speculative: SpeculativeConfig, progress: bool, device: torch.device, dtype: torch.dtype,
-                    context: int) -> EngineParts:
-    """The draft model as an engine of its own (store, budget, reader threads), on the target's device and dtype,
-    with room for the target's context, a draft tree and a chain beyond it."""
+                    context: int, kv_dtype: str) -> EngineParts:
+    """The draft model as an engine of its own (store, budget, reader threads), on the target's device and dtype
+    and KV storage, with room for the target's context, a draft tree and a chain beyond it."""
     config = EngineConfig(budget=speculative.draft_budget or Budget(), device=device, dtype=dtype,
-                          max_context=context + SPEC_ROOM + MAX_DEPTH, prefetch=False, progress=progress)
+                          max_context=context + SPEC_ROOM + MAX_DEPTH, prefetch=False, progress=progress,
+                          kv_dtype=kv_dtype)
     return assemble(speculative.draft_model, config)
 
 
@@ -176,13 +178,14 @@ def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> H
 
 
 # ---- placement with or without the MTP layers ------------------------------------------------------------------
-def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int) -> int:
+def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int, kv_dtype: str) -> int:
     """Every byte of per-sequence state one request may hold (the planner's formula, planner/kv.py): the main
     model's KV for the context plus a draft tree, its recurrent state with rollback logs, and each MTP layer's own
-    cache (one attention layer's share, for the context, the tree and the MTP chain)."""
+    cache (one attention layer's share, for the context, the tree and the MTP chain); attention entries as
+    `kv_dtype` stores them."""
     tokens = context + SPEC_ROOM
     return kv_bytes(checkpoint.spec, tokens, itemsize, rollback=ROLLBACK, mtp_layers=mtp_layer_count(checkpoint),
-                    mtp_positions=tokens + MAX_DEPTH + 1)
+                    mtp_positions=tokens + MAX_DEPTH + 1, kv_dtype=kv_dtype)
 
 
 # --spec auto loads MTP layers when they cost at most this share of the cache that streams units (measured on

@@ -14,7 +14,7 @@ from .errors import OffloadEngineError
 from .interrupts import SafeInterrupts
 from .config import DTYPES
 from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
-from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, SPEC_MODES
+from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, KV_DTYPES, SPEC_MODES
 from .planner.commands import add_plan_parser, add_probe_parser
 from .server.command import SERVE_EXAMPLES, add_serve_flags, check_serve_flags
 from .store.policy import POLICIES
@@ -63,6 +63,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=KERNEL_MODES,
                    help="quantized weights: auto (fast kernels where they apply, docs/FORMATS.md) or dequantize "
                         "(always dequantize then multiply)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache storage: auto (the compute dtype), bf16, or fp8 / int8 (about half of bf16's bytes "
+                        "per position, a quarter of fp32's; README: --kv-dtype)")
     p.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     p.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
@@ -193,7 +196,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_context=args.context, policy=args.policy, direct_io=args.direct_io,
                         prefetch=prefetch, trace=args.trace, allow_cast=args.allow_cast,
                         progress=_progress(args), stall_timeout=args.stall_timeout, speculative=speculative,
-                        host_compute=args.host_compute, prefill_chunk=args.prefill_chunk, kernels=args.kernels)
+                        host_compute=args.host_compute, prefill_chunk=args.prefill_chunk, kernels=args.kernels,
+                        kv_dtype=args.kv_dtype)
 
 
 def _check_threads(threads: str) -> None:
@@ -277,6 +281,7 @@ def _token_bar(total: int):
 
 def format_stats(stats: dict[str, Any]) -> str:
     hit_rate = 100 * stats["hit_rate"]
+    kv = f", KV {stats['kv_dtype']}" if stats.get("kv_dtype", "auto") != "auto" else ""
     peak = stats["peak_bytes"]
     drafted = ""
     if stats.get("spec", "off") != "off":
@@ -286,7 +291,7 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
             f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
-            f"{stats['device']} {stats['dtype']}]")
+            f"{stats['device']} {stats['dtype']}{kv}]")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

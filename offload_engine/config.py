@@ -15,6 +15,7 @@ import torch
 from .constants import PREFILL_CHUNK
 from .errors import ConfigError
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES
+from .planner.kv import check_kv_dtype
 from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
 from .speculative.stepper import check_spec
@@ -150,7 +151,9 @@ class EngineConfig:
     it: `plan --prefill-chunk` sizes them; under offload a larger chunk reads each expert the prompt misses fewer
     times); record_routing: the model appends every MoE layer's routing to `model.routing_trace`
     (tools/trace_experts.py); kernels: "auto" (quantized weights use a fast kernel where one applies, repacked
-    once per resident unit within the budget: docs/FORMATS.md) or "dequantize" (always dequantize-then-matmul)."""
+    once per resident unit within the budget: docs/FORMATS.md) or "dequantize" (always dequantize-then-matmul);
+    kv_dtype: the KV cache's storage (modes.KV_DTYPES): "auto" the compute dtype, "bf16", or "fp8" / "int8" with
+    one fp32 scale per position and head (runtime/kv_storage.py), charged to the budget at that size."""
 
     budget: Budget = field(default_factory=Budget)
     device: str | torch.device | None = None
@@ -170,6 +173,7 @@ class EngineConfig:
     prefill_chunk: int = PREFILL_CHUNK
     record_routing: bool = False
     kernels: str = "auto"
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         _check_budget(self.budget, "budget")
@@ -187,6 +191,7 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk (--prefill-chunk) must be a positive int, got {chunk!r}")
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        check_kv_dtype(self.kv_dtype)
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"--direct-io must be auto, on or off, got {self.direct_io!r}")
         if not isinstance(self.prefetch, PrefetchConfig):  # a bool: the defaults, enabled or not

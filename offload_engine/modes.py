@@ -14,3 +14,6 @@ DIRECT_IO_MODES = ("auto", "on", "off")
 # --kernels: quantized weights' compute; auto: a fast kernel where one applies (docs/FORMATS.md), dequantize: always
 # dequantize-then-matmul (the reference the fast paths are checked against)
 KERNEL_MODES = ("auto", "dequantize")
+# --kv-dtype: the KV cache's storage; auto: the compute dtype (bf16 on CUDA, fp32 on CPU), bf16: bf16 whatever the
+# compute dtype, fp8 (e4m3) / int8: one byte per value plus one fp32 scale per position and head (runtime/kv_storage.py)
+KV_DTYPES = ("auto", "bf16", "fp8", "int8")

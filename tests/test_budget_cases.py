@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from offload_engine import Budget, BudgetError, Engine, OffloadEngineError
 from offload_engine.checkpoint.model import open_model
 from offload_engine.config import ResolvedBudget
-from offload_engine.runtime import kv_cache
+from offload_engine.runtime import kv_cache, kv_storage
 from offload_engine.store.build import plan_for
 from offload_engine.store.ledger import Ledger
 from offload_engine.store import tier as tier_mod
@@ -201,7 +201,7 @@ def torch_with(empty) -> types.SimpleNamespace:
 @pytest.fixture
 def fake_alloc(monkeypatch):
     alloc = FakeAllocator()
-    monkeypatch.setattr(kv_cache, "torch", torch_with(alloc.empty))
+    monkeypatch.setattr(kv_storage, "torch", torch_with(alloc.empty))  # where the KV cache allocates
     return alloc
 
 

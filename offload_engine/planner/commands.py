@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..errors import BudgetError, ConfigError
-from ..modes import DIRECT_IO_MODES, PLAN_SPEC_MODES
+from ..modes import DIRECT_IO_MODES, KV_DTYPES, PLAN_SPEC_MODES
 from ..units import format_bytes, parse_bytes
 from . import costs
 from .formats import FORMAT_BITS, WeightFormat, unit_bytes
@@ -52,6 +52,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
                         "int8, int4: the units of a checkpoint in fp8 128x128 blocks, compressed-tensors int8 per "
                         "channel, int4 in groups of 32 (tools/make_checkpoint.py --quant fp8-block|ct-int8|ct-int4), "
                         "the embedding, head, norms and routers kept as stored")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="as `run`: the KV cache's storage, charged at its size (data + fp8/int8 scales)")
     p.add_argument("--spec", default="off", choices=PLAN_SPEC_MODES, help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
     p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
@@ -133,7 +135,8 @@ def options_from_args(args: argparse.Namespace, shape: ModelShape) -> PlanOption
                        context=args.context, weights=args.weights, spec=args.spec, recall=args.recall,
                        alpha=args.alpha, host_compute=args.host_compute, position=args.position, trace=trace,
                        direct_io=args.direct_io, accept=args.accept, drafts=args.drafts,
-                       overhead_scale=args.overhead_scale, prefill_chunk=args.prefill_chunk)
+                       overhead_scale=args.overhead_scale, prefill_chunk=args.prefill_chunk,
+                       kv_dtype=args.kv_dtype)
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, list]:

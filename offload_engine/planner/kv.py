@@ -3,6 +3,8 @@ Engine.open charges (the engine adds its speculation room and rollback logs thro
 from __future__ import annotations
 
 from ..checkpoint.hf_config import ModelSpec
+from ..errors import ConfigError
+from ..modes import KV_DTYPES
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + full attention
 
@@ -19,11 +21,33 @@ def layer_types(spec: ModelSpec) -> list[str]:
     return ["full_attention"] * spec.num_layers
 
 
-def layer_kv_bytes_per_token(spec: ModelSpec, itemsize: int) -> int:
-    """One attention layer's cache entry for one position: MLA's latent and rope key, else K and V."""
+KV_VALUE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}  # --kv-dtype -> bytes per cached value ("auto": the compute dtype's)
+QUANTIZED_KV = ("fp8", "int8")  # with one fp32 scale per row (one position's head of K or V, MLA's latent or rope key)
+KV_SCALE_BYTES = 4
+
+
+def check_kv_dtype(kv_dtype: object) -> str:
+    """The one check of a --kv-dtype value (EngineConfig, KVCache and the planner all call it)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return kv_dtype
+
+
+def kv_row_bytes(width: int, kv_dtype: str, itemsize: int) -> int:
+    """One cached row of `width` values (the unit a quantized cache scales): its data and, quantized, its scale.
+    runtime/kv_storage.py allocates exactly this (tests/test_kv_quant.py checks the two agree)."""
+    if check_kv_dtype(kv_dtype) == "auto":
+        return width * itemsize
+    return width * KV_VALUE_BYTES[kv_dtype] + (KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0)
+
+
+def layer_kv_bytes_per_token(spec: ModelSpec, itemsize: int, kv_dtype: str = "auto") -> int:
+    """One attention layer's cache entry for one position: MLA's latent and rope key, else K and V (a row per
+    KV head each). itemsize: the compute dtype's, which `auto` stores."""
     if spec.get("kv_lora_rank"):
-        return (spec.get("kv_lora_rank") + spec.get("qk_rope_head_dim")) * itemsize
-    return 2 * spec.num_kv_heads * spec.head_dim * itemsize
+        return (kv_row_bytes(spec.get("kv_lora_rank"), kv_dtype, itemsize)
+                + kv_row_bytes(spec.get("qk_rope_head_dim"), kv_dtype, itemsize))
+    return 2 * spec.num_kv_heads * kv_row_bytes(spec.head_dim, kv_dtype, itemsize)
 
 
 def linear_state_bytes(spec: ModelSpec, itemsize: int, rollback: int = 0) -> int:
@@ -40,12 +64,13 @@ def linear_state_bytes(spec: ModelSpec, itemsize: int, rollback: int = 0) -> int
 
 
 def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int = 0,
-             mtp_positions: int | None = None, rollback: int = 0) -> int:
-    """Per-sequence state for `positions`: every attention layer's KV, each linear-attention layer's fixed state
-    (with `rollback` logs), and `mtp_layers` MTP layers' own caches of `mtp_positions` (default `positions`) entries
-    each. A sliding-window layer (gpt-oss) is charged every position: runtime/kv_cache.py keeps a full-length cache
-    for it and masks to the window (a ring buffer of `sliding_window` entries would save the rest)."""
-    per_token = layer_kv_bytes_per_token(spec, itemsize)
+             mtp_positions: int | None = None, rollback: int = 0, kv_dtype: str = "auto") -> int:
+    """Per-sequence state for `positions`: every attention layer's KV (stored as `kv_dtype`), each linear-attention
+    layer's fixed state (with `rollback` logs; always the compute dtype), and `mtp_layers` MTP layers' own caches of
+    `mtp_positions` (default `positions`) entries each. A sliding-window layer (gpt-oss) is charged every position:
+    runtime/kv_cache.py keeps a full-length cache for it and masks to the window (a ring buffer of `sliding_window`
+    entries would save the rest)."""
+    per_token = layer_kv_bytes_per_token(spec, itemsize, kv_dtype)
     # MLA (DeepSeek): every layer caches its latent, whatever else the config says
     types = ["full_attention"] * spec.num_layers if spec.get("kv_lora_rank") else layer_types(spec)
     total = 0
@@ -55,3 +80,32 @@ def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int 
         else:
             total += linear_state_bytes(spec, itemsize, rollback)
     return total + mtp_layers * per_token * (positions if mtp_positions is None else mtp_positions)
+
+
+def kv_bytes_per_position(spec: ModelSpec, itemsize: int, kv_dtype: str = "auto") -> int:
+    """What one more position costs: every attention layer's entry (the recurrent state is fixed)."""
+    return kv_bytes(spec, 1, itemsize, kv_dtype=kv_dtype) - kv_bytes(spec, 0, itemsize, kv_dtype=kv_dtype)
+
+
+def _reads_a_copy(kv_dtype: str, itemsize: int) -> bool:
+    """Whether attention reads a compute-dtype copy of the cache rather than the cache in place."""
+    return kv_dtype in QUANTIZED_KV or kv_dtype == "bf16" and itemsize != 2
+
+
+def kv_read_bytes(spec: ModelSpec, positions: int, itemsize: int, kv_dtype: str = "auto") -> int:
+    """Bytes a forward moves through attention at `positions`: the cache as stored and, where that is not the
+    compute dtype, the compute-dtype copy runtime/kv_storage.py writes and attention then reads (it dequantizes
+    rather than attending over the stored bytes: a smaller cache, not a faster one)."""
+    stored = kv_bytes(spec, positions, itemsize, kv_dtype=kv_dtype)
+    if not _reads_a_copy(check_kv_dtype(kv_dtype), itemsize):
+        return stored
+    return stored + 2 * positions * kv_bytes_per_position(spec, itemsize)
+
+
+def kv_copy_bytes(spec: ModelSpec, positions: int, itemsize: int, kv_dtype: str = "auto") -> int:
+    """The transient of one attention layer's read where the storage is not the compute dtype: its entries for
+    `positions` in the compute dtype, and a quantized read's fp32 product of the wider one (QuantizedStorage.read)."""
+    if not _reads_a_copy(check_kv_dtype(kv_dtype), itemsize):
+        return 0
+    widest = spec.get("kv_lora_rank") or spec.num_kv_heads * spec.head_dim
+    return positions * (layer_kv_bytes_per_token(spec, itemsize) + (widest * 4 if kv_dtype in QUANTIZED_KV else 0))

@@ -114,10 +114,11 @@ class ModelShape:
     def layer_types(self) -> list[str]:
         return kv.layer_types(self.spec)
 
-    def kv_bytes(self, positions: int, itemsize: int, with_mtp: bool = False) -> int:
-        """KV cache for `positions` (plus the fixed recurrent state of linear-attention layers)."""
+    def kv_bytes(self, positions: int, itemsize: int, with_mtp: bool = False, kv_dtype: str = "auto") -> int:
+        """KV cache for `positions` stored as `kv_dtype` (plus the fixed recurrent state of linear-attention
+        layers)."""
         mtp_layers = len({k.layer for k in self.mtp.keys()}) if with_mtp else 0
-        return kv.kv_bytes(self.spec, positions, itemsize, mtp_layers=mtp_layers)
+        return kv.kv_bytes(self.spec, positions, itemsize, mtp_layers=mtp_layers, kv_dtype=kv_dtype)
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -160,6 +161,7 @@ class PlanOptions:
     drafts: int | None = None
     overhead_scale: float = 1.0  # multiplies dispatch and bookkeeping costs; 0: the bound the hardware sets
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward (run --prefill-chunk)
+    kv_dtype: str = "auto"  # the KV cache's storage (run --kv-dtype; planner/kv.py charges its real size)
 
 
 @dataclass
@@ -185,6 +187,15 @@ class Plan:
     fit: dict[str, tuple[int, int]] = field(default_factory=dict)  # "VRAM" / "RAM" -> (charged bytes, physical)
 
     @property
+    def kv_bytes_per_position(self) -> int:
+        """The main model's attention entries for one position, as --kv-dtype stores them."""
+        return kv.kv_bytes_per_position(self.shape.spec, self.kv_itemsize, self.options.kv_dtype)
+
+    @property
+    def kv_itemsize(self) -> int:
+        return kv_itemsize(self.profile, self.shape.spec)
+
+    @property
     def bytes_total(self) -> int:
         return sum(n for k, n in self.unit_bytes.items() if k in self.shape.schema.units)
 
@@ -194,6 +205,13 @@ class Plan:
 
 
 SPEC_DEFAULTS = {"mtp": (1, 0.85), "ngram": (3, 0.35)}  # (drafts, per-position acceptance): FIELD-NOTES / stated
+
+
+def kv_itemsize(profile: HardwareProfile, spec: ModelSpec) -> int:
+    """The compute dtype's bytes: the engine computes in bf16 on CUDA, and on a CPU for a bf16 checkpoint
+    (config.resolve_dtype; the profile's CPU is taken to multiply bf16 natively, as server CPUs since 2020 do),
+    else in fp32."""
+    return 2 if profile.has_gpu or spec.dtype == "bfloat16" else 4
 
 
 def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> Plan:
@@ -207,11 +225,9 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     use_mtp = bool(shape.mtp.units) and o.spec in ("mtp", "auto")
     units = shape.bytes_of(fmt, use_mtp)
     separate_host = profile.has_gpu or o.vram is not None
-    # the engine computes in bf16 on CUDA, and on a CPU for a bf16 checkpoint (config.resolve_dtype: the
-    # profile's CPU is taken to multiply bf16 natively, as every server CPU since 2020 does), else in fp32
-    itemsize = 2 if profile.has_gpu or spec.dtype == "bfloat16" else 4
-    kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp)
-    act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk)
+    itemsize = kv_itemsize(profile, spec)
+    kv_charge = shape.kv_bytes(o.context, itemsize, with_mtp=use_mtp, kv_dtype=o.kv_dtype)
+    act = activation_bytes(shape, o.context, itemsize, o.prefill_chunk, o.kv_dtype)
     reserve = {"device": DEVICE_RESERVE if profile.has_gpu else 0, "host": HOST_RESERVE}
     activations = {"device" if profile.has_gpu else "host": act}  # on a CPU the compute pool's work is in RAM
     vram, ram = o.vram, o.ram
@@ -244,7 +260,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         position = o.position if o.position is not None else o.context // 2
         steps[scenario] = costs.step_cost(
             flows, costs.Machine.of(profile, separate_host), recall=o.recall,
-            host_compute=o.host_compute and profile.has_gpu, kv_read_bytes=shape.kv_bytes(position, itemsize),
+            host_compute=o.host_compute and profile.has_gpu,
+            kv_read_bytes=kv.kv_read_bytes(spec, position, itemsize, o.kv_dtype),
             overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,
             bounced=("dense", "expert") if fused_experts else ("dense",))
         tok_s[scenario] = costs.accepted_per_step(drafts, accept) / steps[scenario].seconds
@@ -271,11 +288,13 @@ def physical_fit(placement: Placement, activations: Mapping[str, int], reserve: 
             "RAM": (used["host"] + activations.get("host", 0) + reserve["host"], profile.ram_bytes)}
 
 
-def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int = PREFILL_CHUNK) -> int:
+def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int = PREFILL_CHUNK,
+                     kv_dtype: str = "auto") -> int:
     """Largest transient working set: a prompt chunk of min(context, chunk) tokens attending to a full
     context (CausalLM.forward runs longer prompts a chunk at a time), with the logits of every position, P x
     vocab x 4 bytes, as Engine.logits returns them (generation's prefill keeps the last row only); or one
-    decode step at a full context (GQA K/V expanded to all heads)."""
+    decode step at a full context (GQA K/V expanded to all heads). A cache not stored in the compute dtype adds
+    the layer's dequantized copy (kv.kv_copy_bytes)."""
     s = shape.spec
     inter = max(s.intermediate_size, s.get("moe_intermediate_size") or 0)
     heads, D = s.num_heads, s.head_dim
@@ -284,7 +303,8 @@ def activation_bytes(shape: ModelShape, context: int, itemsize: int, chunk: int 
         return (p * s.hidden_size * itemsize * 8 + p * inter * itemsize * 3 + 2 * ctx * heads * D * itemsize
                 + heads * p * ctx * 4 + p * s.vocab_size * 4)
 
-    return max(working(min(context, chunk), context), working(1, context))
+    return (max(working(min(context, chunk), context), working(1, context))
+            + kv.kv_copy_bytes(s, context, itemsize, kv_dtype))
 
 
 def _spec_setup(shape: ModelShape, o: PlanOptions, use_mtp: bool) -> tuple[int, float, dict | None]:

@@ -92,7 +92,8 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
         "weights": p.fmt.name, "bytes_total": p.bytes_total, "bytes_by_kind": bytes_by_kind,
         "bytes_mtp": sum(n for k, n in p.unit_bytes.items() if k in p.shape.mtp.units),
         "unit_bytes_by_kind": unit_bytes_by_kind(p.unit_bytes),
-        "hardware": p.profile.name, "context": p.options.context,
+        "hardware": p.profile.name, "context": p.options.context, "kv_dtype": p.options.kv_dtype,
+        "kv_bytes_per_position": p.kv_bytes_per_position,
         "budget": {t.name: t.budget for t in p.placement.tiers},
         "direct_io": p.direct_io,
         "placement": {"summary": placement_summary(p), "tiers": [_tier_json(t) for t in p.placement.tiers]},
@@ -153,7 +154,8 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     j, s = plan_json(p, what_ifs), p.shape.spec
     budgets = ", ".join(f"{_tier_label(p, t.name)} {_b(t.budget)}" for t in p.placement.tiers)
     lines = [f"{j['model']['name']} ({s.model_type}, {p.shape.source} schema) on {p.profile.name}: {budgets}, "
-             f"context {p.options.context}, weights {p.fmt.name}",
+             f"context {p.options.context}, weights {p.fmt.name}, KV {p.options.kv_dtype} "
+             f"({_b(p.kv_bytes_per_position)}/position)",
              f"parameters: {p.params.total / 1e9:.2f} B total, {p.params.active / 1e9:.2f} B active per token "
              f"({_conventions(p.params)})"
              + (f", MTP {j['params_mtp'] / 1e9:.2f} B" if j["params_mtp"] else "")

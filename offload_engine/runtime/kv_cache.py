@@ -2,7 +2,9 @@
 
 Each layer stores whatever tensors its attention needs ([positions, ...] along dim 0: K and V for standard
 attention, the compressed latent and the rope key for MLA). Storage is allocated once per layer at the first
-append, for `capacity` positions, so growth never copies and the bytes are known up front for budgeting.
+append, for `capacity` positions, so growth never copies and the bytes are known up front for budgeting. How each
+tensor is stored (the compute dtype, bf16, or fp8 / int8 with per-row scales) is `kv_dtype`'s storage class
+(kv_storage.py); `append` returns every position in the compute dtype whatever the storage.
 
 Recurrent layers (linear attention: a fixed-size state instead of per-position entries) use `state(layer)` and
 `set_state(layer, ...)`. A state set during a forward is committed by `advance`, like appended entries, so a forward
@@ -20,6 +22,8 @@ from typing import Callable
 import torch
 
 from ..errors import BudgetError
+from ..planner.kv import check_kv_dtype
+from .kv_storage import KVStorage, new_storage
 
 RecurrentState = tuple[torch.Tensor, ...]
 StepLog = tuple[torch.Tensor, ...]  # [positions, ...] each
@@ -100,29 +104,31 @@ class _StateHistory:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, capacity: int, device: torch.device | str = "cpu", rollback: int = ROLLBACK):
+    def __init__(self, num_layers: int, capacity: int, device: torch.device | str = "cpu", rollback: int = ROLLBACK,
+                 kv_dtype: str = "auto"):
         self.capacity = capacity
         self.device = torch.device(device)
+        self.kv_dtype = check_kv_dtype(kv_dtype)  # refused here, not at the first append
         self.length = 0  # committed positions
         self.rollback = rollback  # recurrent layers: positions that can always be rewound
-        self._store: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
+        self._store: list[tuple[KVStorage, ...] | None] = [None] * num_layers
         self._states: dict[int, _StateHistory] = {}  # recurrent layers, by layer
         self._pending: dict[int, tuple[RecurrentState, StepLog | None, Replay]] = {}  # set by the forward in flight
 
     def append(self, layer: int, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Write `entries` ([T, ...] each) after the committed positions; return views over all positions."""
+        """Write `entries` ([T, ...] each) after the committed positions; return all positions, this forward's
+        included, as stored (views for `auto`; dequantized for fp8 / int8, so every forward reads the same values)."""
         t = entries[0].shape[0]
         end = self.length + t
         if end > self.capacity:
             raise BudgetError("kv-cache", end, self.capacity, hint="context (positions) exceeds the cache capacity")
         store = self._store[layer]
         if store is None:
-            store = tuple(torch.empty((self.capacity, *e.shape[1:]), dtype=e.dtype, device=self.device)
-                          for e in entries)
+            store = tuple(new_storage(self.kv_dtype, self.capacity, e, self.device) for e in entries)
             self._store[layer] = store
-        for buf, e in zip(store, entries):
-            buf[self.length:end] = e
-        return tuple(buf[:end] for buf in store)
+        for part, e in zip(store, entries):
+            part.write(self.length, e)
+        return tuple(part.read(end) for part in store)
 
     def advance(self, n: int) -> None:
         """Commit n positions written by the last forward (called once per forward, after every layer)."""
@@ -184,10 +190,11 @@ class KVCache:
         idx = torch.tensor(positions, device=self.device)
         for store in self._store:
             if store is not None:
-                for buf in store:
+                for buf in (t for part in store for t in part.tensors):  # data and scales alike
                     buf[start:start + len(positions)] = buf[idx]
         self.length = start + len(positions)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for s in self._store if s is not None for b in s)
+        return sum(b.numel() * b.element_size() for s in self._store if s is not None for part in s
+                   for b in part.tensors)

@@ -26,12 +26,13 @@ class CausalLM:
     def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype,
                  max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, *, ops: LayerOps | None = None,
                  prefetcher: Any = None, host_compute: HostCompute | None = None,
-                 routing_trace: list[tuple[int, list[list[int]]]] | None = None):
+                 routing_trace: list[tuple[int, list[list[int]]]] | None = None, kv_dtype: str = "auto"):
         """ops: the architecture's layer ops for this device and dtype (built from the checkpoint when None);
         prefetcher: a prefetch.Prefetcher reading the next layers' units while one computes, where weights stream
         (not imported here: prefetch/ builds on the store, which builds on runtime/weights.py); host_compute:
         which experts the CPU computes where they lie in RAM; routing_trace: a list every MoE layer's routing is
-        appended to, as (layer, [experts per token]) (tools/trace_experts.py)."""
+        appended to, as (layer, [experts per token]) (tools/trace_experts.py); kv_dtype: how its caches store
+        attention entries (modes.KV_DTYPES, kv_storage.py)."""
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
@@ -45,6 +46,7 @@ class CausalLM:
         self.host_compute = host_compute
         self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
         self.routing_trace = routing_trace
+        self.kv_dtype = kv_dtype
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
         self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -57,7 +59,7 @@ class CausalLM:
         if self.max_context is not None and max_tokens > self.max_context:
             raise BudgetError("kv-cache", max_tokens, self.max_context,
                               hint="prompt + max_new_tokens exceed the context reserved; pass a larger max_context")
-        return KVCache(self.num_layers, max_tokens, self.device)
+        return KVCache(self.num_layers, max_tokens, self.device, kv_dtype=self.kv_dtype)
 
     def _unit(self, key: UnitKey):
         return hold(self.source, key)

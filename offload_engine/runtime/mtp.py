@@ -118,7 +118,8 @@ class MtpHead:
 
     def new_cache(self, capacity: int) -> KVCache:
         """One layer's cache (MTP layers start at different positions, so each has its own)."""
-        return KVCache(self.base + self.count, capacity, self.model.device)  # only its own layer is allocated
+        # only its own layer is allocated, stored as the model's caches are (the planner charges it so)
+        return KVCache(self.base + self.count, capacity, self.model.device, kv_dtype=self.model.kv_dtype)
 
     def _unit(self, key: UnitKey):
         return hold(self.model.source, key)

@@ -40,7 +40,7 @@ class DraftModelDrafter:
 
     def __init__(self, draft_model: Any, capacity: int, target_vocab: int):
         self.model = draft_model
-        self.cache = KVCache(draft_model.num_layers, capacity, draft_model.device)
+        self.cache = KVCache(draft_model.num_layers, capacity, draft_model.device, kv_dtype=draft_model.kv_dtype)
         self.ids: list[int] = []  # what self.cache holds
         self.target_vocab = target_vocab
 
