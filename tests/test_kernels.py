@@ -44,6 +44,7 @@ CASES = [
     ("llama", "ct-int4", {}, True), ("qwen3_moe", "ct-int4", {}, True),
     ("llama", "ct-int4", {"symmetric": False}, True), ("llama", "ct-int4", {"strategy": "channel"}, True),
     ("qwen3_5_moe_text", "ct-int4", {}, True),  # fused gate_up experts
+    ("deepseek_v3", "ct-int4", {}, True),  # MLA: kv_b_proj read back dense from its kernel form
     ("qwen3_moe", "ct-int8", {}, True), ("llama", "ct-int8", {"symmetric": False}, True),
     ("llama", "ct-int8", {"ct_format": "int-quantized", "symmetric": False}, True),
     ("llama", "gptq", {}, True), ("llama", "gptq", {"bits": 8, "group_size": -1}, True),
