@@ -15,6 +15,12 @@ this VM; at 25%, single rounds of one build in one session ranged 1.04-1.47 of t
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
     python tools/bench.py --plot                   # also bench-tok_s.png and bench-bytes.png next to the JSON
     python tools/bench.py --budgets 25,10 --no-peer --prefetch off,on,adaptive   # prefetch compared, one run
+    python tools/bench.py --peer accelerate,llama   # + llama.cpp at the same bit width (tools/bench_llama.py)
+    python tools/bench.py --routing realistic       # the bench checkpoint with realistic routing (Zipf + locality)
+
+Next to that bound each row shows the physical one (tools/bench_physical.py): max(active weight bytes per token /
+measured memory read bandwidth, bytes read and used / O_DIRECT bandwidth), which does not lean on the engine's
+own resident speed.
 
 --prefetch MODES: the engine's expert prefetch, off / on (always) / adaptive (its pay check decides, the
 default of Engine.open). The first mode is the engine of the main table; with several, every budget runs each
