@@ -8,7 +8,8 @@ unit resident and compute dtype bfloat16 (tools/bench.run_engine: an untimed war
 one, `rounds` times, the median shown); llama-bench runs tgN (N = the bench's --tokens, no prompt) with as many
 threads as torch uses, 3 repetitions. A last row runs the bf16 checkpoint with Engine.open's default dtype (how
 a new user runs it). Each side is also set against the physical bound of its own file: active bytes per token /
-the bench's measured memory read bandwidth (tools/bench_physical.py).
+the bench's measured memory read bandwidth (tools/bench_physical.py). Everything is resident, so routing does not
+matter: the pairs use the random-routing checkpoints also with --routing realistic.
 """
 from __future__ import annotations
 

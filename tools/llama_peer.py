@@ -139,12 +139,12 @@ def ensure_built(version: str = SDIST_VERSION, jobs: int = 2, progress: bool = T
 def convert(hf_dir: str | os.PathLike, out_gguf: str | os.PathLike, outtype: str = "bf16",
             version: str = SDIST_VERSION) -> Path:
     """HF folder -> GGUF with the sdist's own convert_hf_to_gguf.py and gguf-py (in this Python: it needs
-    torch, numpy, transformers, safetensors). Skipped when out_gguf exists and is newer than the folder's
-    config.json."""
+    torch, numpy, transformers, safetensors). Skipped when out_gguf exists and is newer than every file of the
+    folder (tools/realistic_routing.py rewrites shards in place)."""
     if outtype not in OUTTYPES:
         raise LlamaPeerError(f"outtype {outtype!r}: choose from {', '.join(OUTTYPES)}")
     hf_dir, out = Path(hf_dir), Path(out_gguf)
-    if out.is_file() and out.stat().st_mtime >= (hf_dir / "config.json").stat().st_mtime:
+    if out.is_file() and out.stat().st_mtime >= max(f.stat().st_mtime for f in hf_dir.iterdir() if f.is_file()):
         return out
     src = _fetch_source(version)
     out.parent.mkdir(parents=True, exist_ok=True)
