@@ -118,6 +118,7 @@ def test_peer_option():
 
     assert resolve_peers("accelerate,llama", False) == {"accelerate", "llama"}
     assert resolve_peers("auto", True) == {"accelerate"}  # --quick never runs the llama peer by default
+    assert resolve_peers("auto", False) == {"accelerate"} | ({"llama"} if llama_peer.built() else set())
     assert resolve_peers("", False) == set() and resolve_peers("vllm", False) is None
     a = parse_args(["--no-peer"])
     assert (a.peer, a.llama) == (False, False)
