@@ -15,6 +15,12 @@ this VM; at 25%, single rounds of one build in one session ranged 1.04-1.47 of t
     python tools/bench.py --quick --json out.json  # tiny checkpoint, budgets 100,25, 4 tokens (smoke run)
     python tools/bench.py --plot                   # also bench-tok_s.png and bench-bytes.png next to the JSON
     python tools/bench.py --budgets 25,10 --no-peer --prefetch off,on,adaptive   # prefetch compared, one run
+    python tools/bench.py --peer accelerate,llama   # + llama.cpp at the same bit width (tools/bench_llama.py)
+    python tools/bench.py --routing realistic       # the bench checkpoint with realistic routing (Zipf + locality)
+
+Next to that bound each row shows the physical one (tools/bench_physical.py): max(active weight bytes per token /
+measured memory read bandwidth, bytes read and used / O_DIRECT bandwidth), which does not lean on the engine's
+own resident speed.
 
 --prefetch MODES: the engine's expert prefetch, off / on (always) / adaptive (its pay check decides, the
 default of Engine.open). The first mode is the engine of the main table; with several, every budget runs each
@@ -52,6 +58,8 @@ from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
 from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 from offload_engine.store.policy import POLICIES  # noqa: E402
+from tools.bench_physical import (active_bytes_hf, measure_memory_read_bandwidth, physical_bound,  # noqa: E402
+                                  summary as physical_summary)
 
 MB = 1e6
 PREFETCH_MODES = {"off": False, "on": PrefetchConfig(adaptive=False), "adaptive": PrefetchConfig()}
@@ -119,6 +127,8 @@ class Row:
     rounds_vs_bound: list[float] = field(default_factory=list)  # every round's engine / bound (--rounds); the
     # row's engine run, resident_around and engine_vs_bound are those of the median round
     median_round: int = 0  # its index
+    physical: dict[str, float] = field(default_factory=dict)  # tools/bench_physical.PhysicalBound of the row's
+    # engine run: active bytes / memory bandwidth, bytes read and used / O_DIRECT bandwidth, their max, the ratio
 
     def ratio(self, mode: str) -> float | None:
         peer = self.peers.get(mode)
@@ -200,14 +210,16 @@ def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
 # ---- the engine ---------------------------------------------------------------------------------------------
 def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int], steps: int,
                progress: bool, quiet: float = 0.0, prefetch: str = "adaptive", context: int | None = None,
-               policy: str = "lru-floor", ram: int | None = None) -> EngineRun:
+               policy: str = "lru-floor", ram: int | None = None, dtype: str | None = None) -> EngineRun:
     """One engine at one budget: an untimed warm-up request (another prompt, so kernels and the cache are
     warm but not primed with this sequence), then the measured one. Decode figures exclude the prefill.
-    ram: a budget in bytes instead of `pct` of the model's bytes (pct is then only the run's label)."""
+    ram: a budget in bytes instead of `pct` of the model's bytes (pct is then only the run's label).
+    dtype: the compute dtype (None: Engine.open's default)."""
     budget = Budget() if pct is None else Budget(ram=ram if ram is not None else f"{pct:g}%")
     direct = "auto" if pct is None or pct >= 100 else "on"
     start = time.perf_counter()
     options = {} if prefetch == "adaptive" else {"prefetch": PREFETCH_MODES[prefetch]}
+    options.update({"dtype": dtype} if dtype is not None else {})
     engine = Engine.open(model, budget=budget, max_context=context or len(prompt) + steps + 8, direct_io=direct,
                          policy=policy, **options)
     open_s = time.perf_counter() - start
@@ -393,9 +405,15 @@ def ensure_model(args: argparse.Namespace) -> Path:
     from tools.make_checkpoint import make_checkpoint
 
     name = "quick-model" if args.quick else f"bench-model{'-bf16' if args.dtype == 'bfloat16' else ''}"
-    out = Path(args.work_dir) / name
-    if not (out / "config.json").is_file():
+    realistic = args.routing == "realistic"
+    out = Path(args.work_dir) / (name + ("-realistic" if realistic else ""))
+    done = out / "config.json" if not realistic else out / "realistic_routing.json"
+    if not done.is_file():
         make_checkpoint("qwen3_moe", "offload" if args.quick else "bench", out, dtype=args.dtype, force=True)
+        if realistic:
+            from tools.realistic_routing import apply
+
+            apply(out)
     return out
 
 
@@ -404,7 +422,7 @@ def model_info(model: Path) -> dict[str, Any]:
     shards = sorted(model.glob("*.safetensors"))
     return {"path": str(model), "bytes": sum(p.stat().st_size for p in shards), "model_type": config.get("model_type"),
             "dtype": config.get("dtype") or config.get("torch_dtype"), "layers": config.get("num_hidden_layers"),
-            "experts": config.get("num_experts"), "top_k": config.get("num_experts_per_tok"),
+            "experts": config.get("num_experts") or config.get("num_local_experts"), "top_k": config.get("num_experts_per_tok"),
             "vocab": config.get("vocab_size")}
 
 
@@ -476,15 +494,17 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[Row], resident: EngineRun) -> str:
+def table(rows: list[Row], resident: EngineRun, physical: dict[str, Any] | None = None) -> str:
     """One line per budget. 'pc': accelerate with the page cache allowed; 'disk': the O_DIRECT bandwidth of the
     row's bound (probed around its engine runs), 'read': what the engine's reads got while any was in flight;
     'others': the most cores other processes used during any of the row's measured decodes (a shared machine's
-    noise)."""
+    noise); 'phys': the physical bound (tools/bench_physical.py: max(active bytes / memory read bandwidth,
+    bytes read and used / O_DIRECT bandwidth)) and '/phys' the engine's time per token against it."""
     lines = [f"{'budget':>7} {'engine':>7} {'peer':>7} {'ratio':>6} {'peer pc':>7} {'ratio':>6} {'MB/tok':>7} "
-             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'rounds':>9} {'others':>6}  tokens",
+             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'rounds':>9} {'phys':>6} {'/phys':>5} "
+             f"{'others':>6}  tokens",
              f"{'% model':>7} {'tok/s':>7} {'bypass':>7} {'':>6} {'tok/s':>7} {'':>6} {'engine':>7} "
-             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'/bound':>9} {'cores':>6}"]
+             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'/bound':>9} {'ms/tok':>6} {'':>5} {'cores':>6}"]
     for r in rows:
         by, pc = r.peers.get("bypass"), r.peers.get("allow")
         ok = all(r.tokens_match.values()) if r.tokens_match else None
@@ -496,11 +516,18 @@ def table(rows: list[Row], resident: EngineRun) -> str:
             f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
             f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.disk_bw / 1e9:>5.2f} "
             f"{_fmt(r.engine.read_bytes_per_busy_s and r.engine.read_bytes_per_busy_s / 1e9, '5.2f'):>5} "
-            f"{r.engine_vs_bound:>6.2f} {_spread(r.rounds_vs_bound):>9} {others:>6.2f}  "
+            f"{r.engine_vs_bound:>6.2f} {_spread(r.rounds_vs_bound):>9} "
+            f"{_fmt(r.physical and 1e3 * r.physical['s_per_token'], '6.1f'):>6} "
+            f"{_fmt(r.physical and r.physical['measured_vs_bound'], '5.2f'):>5} {others:>6.2f}  "
             f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
     lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
                  f"before-after each budget {' '.join(_around(r) for r in rows)}; O_DIRECT GB/s before-after each "
                  f"budget {' '.join(f'{a / 1e9:.2f}-{b / 1e9:.2f}' for a, b in (r.disk_around for r in rows))}")
+    if physical:
+        lines.append(f"physical: {physical['active_bytes']['per_token'] / MB:.1f} MB active per token / "
+                     f"{physical['memory_read']['bytes_per_s'] / 1e9:.2f} GB/s memory read = "
+                     f"{1e3 * physical['resident_bound_s_per_token']:.1f} ms/token; resident engine "
+                     f"{physical['resident_engine_vs_physical']:.2f}x that")
     return "\n".join(lines)
 
 
@@ -602,13 +629,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="Hugging Face folder (default: build the bench checkpoint in --work-dir)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the built checkpoint")
+    ap.add_argument("--routing", default="random", choices=("random", "realistic"),
+                    help="the built checkpoint's routers: random (transformers' init: ~94%% LRU hits at 25%%) or "
+                         "realistic (tools/realistic_routing.py: Zipf popularity + token locality, 70-85%%)")
     ap.add_argument("--budgets", default="100,50,25,10", help="RAM budgets, %% of the model's bytes")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps (after the prefill's token)")
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--context", type=int, default=None,
                     help="KV positions the engine reserves in its budget (default: prompt + tokens + 8)")
-    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run transformers + accelerate disk offload")
+    ap.add_argument("--peer", nargs="?", const="accelerate", default="auto", metavar="PEERS",
+                    help="comma-separated from accelerate (transformers + accelerate disk offload, per budget) and "
+                         "llama (llama.cpp's llama-bench on the same checkpoint in BF16 / Q8_0 / Q4_K_M against "
+                         "the engine's bf16 / ct-int8 / ct-int4, resident, same threads: tools/bench_llama.py); "
+                         "bare --peer: accelerate; default: accelerate, plus llama where its build is cached "
+                         "(python tools/llama_peer.py build) and not with --quick")
+    ap.add_argument("--no-peer", dest="peer", action="store_const", const="", help="the engine only")
     ap.add_argument("--peer-page-cache", default="both", choices=("bypass", "allow", "both"))
     ap.add_argument("--work-dir", default="bench-out", help="built checkpoints and the peer's offload folders")
     ap.add_argument("--json", help="results file (default: WORK_DIR/bench.json)")
@@ -634,6 +669,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.budgets, args.tokens, args.prompt_len, args.probe_mib = "100,25", 4, 4, 8
     args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 5
+    peers = resolve_peers(args.peer, args.quick)
+    if peers is None:
+        ap.error(f"--peer: expected names from accelerate,llama, got {args.peer!r}")
+    args.peer, args.llama = "accelerate" in peers, "llama" in peers
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     args.json = args.json or str(Path(args.work_dir) / "bench.json")
@@ -642,6 +681,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.prefetch:
         ap.error(f"--prefetch: expected modes from {','.join(PREFETCH_MODES)}, got {','.join(unknown) or 'none'}")
     return args
+
+
+def resolve_peers(spec: str, quick: bool) -> set[str] | None:
+    """--peer's value -> the peers to run (None: an unknown name)."""
+    if spec == "auto":
+        from tools.llama_peer import built
+
+        return {"accelerate"} | ({"llama"} if built() is not None and not quick else set())
+    names = {n for n in spec.split(",") if n}
+    return names if names <= {"accelerate", "llama"} else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -659,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else 3
     unit = expert_unit_bytes(model)
     disk = probe_disk(model, unit, args.probe_mib * MiB, repeats)
+    mem_bytes = (256 if args.quick else 1024) * MiB
+    mem = [measure_memory_read_bandwidth(mem_bytes)]
 
     def engine_run(pct: float | None, mode: str) -> EngineRun:
         return run_engine(model, pct, prompt, warm, args.tokens, args.progress, args.wait_quiet, mode, args.context,
@@ -679,8 +730,23 @@ def main(argv: list[str] | None = None) -> int:
         all_runs[pct] = runs
         by_mode[pct] = rounds[rows[-1].median_round]  # the prefetch table compares the modes of that round
     disk += probe_disk(model, unit, args.probe_mib * MiB, repeats)  # the disk drifts: sample it again at the end
+    mem.append(measure_memory_read_bandwidth(mem_bytes))
+    mem_bw = max(mem, key=lambda m: m.bytes_per_s)
+    active = active_bytes_hf(model)
+    for r in rows:
+        r.physical = physical_bound(active, mem_bw.bytes_per_s, r.engine.s_per_token, r.engine.needed_bytes_per_token,
+                                    r.disk_bw).to_dict()
+    physical = {**physical_summary(active, mem_bw), "memory_read_samples": [asdict(m) for m in mem]}
+    physical["resident_engine_vs_physical"] = resident.s_per_token / physical["resident_bound_s_per_token"]
+    llama = None
+    if args.llama:  # resident, after the budgets: its checkpoints and GGUFs are built on first use
+        from tools.bench_llama import LlamaSettings, llama_table, run_llama_section
 
-    print(table(rows, resident))
+        llama = run_llama_section(LlamaSettings.of(args), prompt, warm, mem_bw.bytes_per_s, run_engine)
+
+    print(table(rows, resident, physical))
+    if llama:
+        print(llama_table(llama))
     if len(args.prefetch) > 1:
         print(prefetch_table(by_mode))
     result = {
@@ -689,13 +755,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine, "loadavg_end": os.getloadavg()}, "versions": versions(),
         "engine_source": source_state(), "model": info,
         "settings": {"budgets": budgets, "tokens": args.tokens, "prompt_len": args.prompt_len, "peer": args.peer,
-                     "context": args.context,
+                     "context": args.context, "llama_peer": args.llama, "routing": args.routing,
                      "peer_page_cache": modes, "prompt": prompt,
                      "torch_threads": torch.get_num_threads(), "wait_quiet_s": args.wait_quiet,
                      "settles_freed_memory": reporting_interrupts() is not None,
                      "prefetch_modes": args.prefetch, "rounds": args.rounds, "policy": args.policy},
         "probe": {"disk": disk, "disk_bandwidth_start_end": disk_bandwidth(disk), "expert_unit_bytes": unit,
                   "memcpy": measure_memcpy_bandwidth().to_dict(), "cpu_matmul": measure_cpu_matmul_flops().to_dict()},
+        "physical": physical, "llama_peer": llama,
         "resident": asdict(resident), "rows": [asdict(r) for r in rows], "targets": targets(rows),
         "rounds": {f"{pct:g}": {"resident_s_per_token": [r.s_per_token for r in runs.residents],
                                 "engine_s_per_token": {m: [rnd[m].s_per_token for rnd in runs.rounds]
