@@ -44,7 +44,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The budget and engine flags `run` and `serve` share (engine_config reads them)."""
-    p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype")
+    p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: bfloat16 on CUDA, and on a CPU for a "
+                   "bfloat16 checkpoint where the CPU has native bf16; else float32)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
     p.add_argument("--vram", help="device memory budget, same forms as --ram")

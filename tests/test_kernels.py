@@ -103,6 +103,8 @@ def test_kernel_forms_fit_their_slots_under_a_streaming_budget(checkpoint_factor
         stats = completion.stats
         assert stats["peak_bytes"]["host"] <= stats["budget_bytes"]["host"]
         assert store.prepared.declined == 0 and store.prepared.in_place == store.prepared.built > 0
+        made = stats["kernel_units"]  # the choice, visible in the request's stats
+        assert made["declined"] == 0 and made["in_place"] == made["built"] > 0
         assert held == 0
         assert sum(stats["misses"].values()) > 0  # slots were read into again: forms rebuilt from the new bytes
         ledger = store.ledger

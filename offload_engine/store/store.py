@@ -358,7 +358,11 @@ class TieredStore:
         return {**self.stats.snapshot(),
                 "budget_bytes": {"device": budgets.get("device", 0), "host": budgets.get("host", 0)},
                 "peak_bytes": {"device": peak.get("device", 0), "host": peak.get("host", 0)},
-                "reads_in_flight": self.stats.read_busy.active}
+                "reads_in_flight": self.stats.read_busy.active,
+                # units given kernel forms (in place: in their own slots); declined: dequantized for want of room
+                "kernel_units": {"built": self.prepared.built if self.prepared else 0,
+                                 "in_place": self.prepared.in_place if self.prepared else 0,
+                                 "declined": self.prepared.declined if self.prepared else 0}}
 
     def slot_states(self) -> list[SlotState]:
         """Every slot of every tier as it is now (taken under the store's lock: a consistent picture)."""
