@@ -113,6 +113,17 @@ def test_kernel_forms_fit_their_slots_under_a_streaming_budget(checkpoint_factor
     assert completion.token_ids == ref_tokens
 
 
+def test_int4_pack_in_uint8_equals_torch_convert():
+    """cpu_int's repack (uint8 arithmetic on the stored bytes) is torch's _convert_weight_to_int4pack_for_cpu, bit
+    for bit, for whole 64-row blocks and for the tail rows that follow them."""
+    gen = torch.Generator().manual_seed(2)
+    for n, k in ((64, 256), (128, 64), (48, 64), (16, 32), (80, 64), (208, 96), (1024, 256)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        assert torch.equal(cpu_int.int4_pack_bytes(cpu_int.pair_bytes(q)),
+                           torch._convert_weight_to_int4pack_for_cpu(q.int(), 1)), (n, k)
+        assert torch.equal(cpu_int.int4_nibbles(cpu_int.int4_pack_bytes(cpu_int.pair_bytes(q)), n, k), q)
+
+
 def test_kernel_forms_read_back_as_the_weight():
     """A weight whose stored data became its kernel form in place is still readable as a dense matrix (dense()
     for the ops that do not multiply it as a linear): the forms' own definitions, unpacked."""
