@@ -36,6 +36,20 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return fields.reshape(packed.shape[0], -1)
 
 
+_FP8_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def float32_of(t: torch.Tensor) -> torch.Tensor:
+    """t as float32; fp8 e4m3 values through a 256-entry table (exact, NaNs included: the table is torch's own
+    conversion of every byte), which on a CPU runs ~4x faster than torch's elementwise conversion."""
+    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu":
+        return t.to(F32)
+    lut = _FP8_LUTS.get(t.device)
+    if lut is None:
+        lut = _FP8_LUTS[t.device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(F32)
+    return torch.take(lut, t.view(torch.uint8).to(torch.long)).view(t.shape)
+
+
 def _expand(scale: torch.Tensor, rows: int, cols: int, q: QuantSpec) -> torch.Tensor:
     """A per-channel / per-group / per-block / per-tensor scale (or zero) broadcast to [rows, cols]."""
     if q.strategy == "tensor":
@@ -49,7 +63,11 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, q: QuantSpec) -> torch.Te
 
 
 def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, q: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
-    return (weight.to(F32) * _expand(scale_inv.to(F32), q.out, q.inp, q)).to(dtype)
+    b0, b1 = q.block
+    if q.strategy == "block" and q.out % b0 == 0 and q.inp % b1 == 0:  # whole blocks: broadcast, no [out, in] scale
+        x = float32_of(weight).view(q.out // b0, b0, q.inp // b1, b1)
+        return (x * scale_inv.to(F32).view(q.out // b0, 1, q.inp // b1, 1)).view(q.out, q.inp).to(dtype)
+    return (float32_of(weight) * _expand(scale_inv.to(F32), q.out, q.inp, q)).to(dtype)
 
 
 def ct_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, q: QuantSpec,
@@ -66,7 +84,7 @@ def ct_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 
 def ct_naive(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, q: QuantSpec,
              dtype: torch.dtype) -> torch.Tensor:
-    x = weight.to(F32)
+    x = float32_of(weight)
     if zero is not None:
         x = x - _expand(zero.to(F32), q.out, q.inp, q)
     return (x * _expand(scale.to(F32), q.out, q.inp, q)).to(dtype)
