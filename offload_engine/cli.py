@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     run.add_argument("--stats", action="store_true", help="print a one-line summary after generation")
+    run.add_argument("--devices", metavar="A,B,...",
+                     help="split the layers over one rank per device (cpu,cpu or cuda:0,cuda:1), started here; under "
+                          "torchrun each rank takes its own (docs/SCALE.md)")
     _common(run)
     run.set_defaults(func=cmd_run)
 
@@ -210,6 +213,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_threads(args.threads)
     model = args.model or default_model_path()
     config = engine_config(args)
+    if args.devices or _started_as_rank():  # pipeline ranks: rank 0 generates and prints, the others serve it
+        from .distributed.command import run_ranked
+
+        return run_ranked(model, config, args.devices, args.argv, lambda engine: _generate(engine, args))
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
     # between this assignment and the `try`
     engine = Engine.open(model, config)
@@ -218,6 +225,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _generate(engine, args)
     finally:
         engine.close()
+
+
+def _started_as_rank() -> bool:
+    import os
+
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -309,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             guard = SafeInterrupts()  # Ctrl-C raises KeyboardInterrupt, never inside the stdlib's lock handling
             args = build_parser().parse_args(argv)
+            args.argv = list(sys.argv[1:] if argv is None else argv)  # what --devices starts each rank with
             return args.func(args)
         finally:
             if guard is not None:

@@ -1,5 +1,6 @@
 """Pipeline parallelism over torch.distributed (gloo, ranks as processes on this box): the same greedy tokens and
-the same fp32 logits as the single-process engine, at full and 25% budgets per rank."""
+the same fp32 logits as the single-process engine, at full and 25% budgets per rank, for qwen3_moe, deepseek_v3
+(with MTP drafting) and qwen3_5_moe (DeltaNet state per rank); speculative decoding stays lossless across ranks."""
 from __future__ import annotations
 
 import pytest
@@ -8,28 +9,66 @@ import torch
 from offload_engine import Budget, Engine
 from tests.distributed_ranks import run_ranks
 
-PROMPT = [1, 2, 3, 4, 5, 6, 7]
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]  # repeats: the n-gram drafter has something to propose
 GREEDY = dict(max_new_tokens=6, ignore_eos=True)
 BUDGETS = {"full": {}, "25%": {"budget": Budget(ram="25%")}}
+ARCHS = {"qwen3_moe": {}, "deepseek_v3": {"mtp": 1}, "qwen3_5_moe": {}}
+# per arch, the speculative mode checked lossless across ranks (deepseek_v3: its MTP layers on rank 0)
+SPEC = {"qwen3_moe": "ngram", "deepseek_v3": "mtp", "qwen3_5_moe": "ngram"}
 
 
-def single(path, **options):
-    with Engine.open(path, device="cpu", **options) as engine:
+@pytest.fixture(scope="module")
+def models(checkpoint_factory):
+    return {arch: str(checkpoint_factory(arch, "offload", **opts)) for arch, opts in ARCHS.items()}
+
+
+def single(path: str, options: dict, spec: str):
+    with Engine.open(path, device="cpu", spec="mtp" if spec == "mtp" else "off", **options) as engine:
         return engine.generate(PROMPT, **GREEDY).token_ids, engine.logits(PROMPT)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
-def test_two_ranks_match_one_process(checkpoint_factory, arch):
-    path = str(checkpoint_factory(arch, "offload"))
-    jobs = [{"path": path, "options": options, "generate": {"greedy": (PROMPT, GREEDY)}, "logits": PROMPT}
-            for options in BUDGETS.values()]
-    results = run_ranks(2, jobs)
-    for (name, options), got in zip(BUDGETS.items(), results):
-        tokens, logits = single(path, **options)
-        assert got["greedy"]["tokens"] == tokens, name
-        assert torch.equal(got["logits"], logits), name
+def jobs(models: dict[str, str]) -> list[dict]:
+    out = []
+    for arch, path in models.items():
+        for name, options in BUDGETS.items():
+            spec = SPEC[arch]
+            opened = {**options, "spec": "mtp"} if spec == "mtp" else options
+            out.append({"path": path, "options": opened, "logits": PROMPT, "arch": arch, "budget": name,
+                        "generate": {"greedy": (PROMPT, GREEDY), "spec": (PROMPT, {**GREEDY, "spec": spec})}})
+    return out
+
+
+def check(world: int, models: dict[str, str]) -> None:
+    todo = jobs(models)
+    results = run_ranks(world, todo)
+    for job, got in zip(todo, results):
+        what = f"{job['arch']} at {job['budget']} on {world} ranks"
+        tokens, logits = single(job["path"], BUDGETS[job["budget"]], SPEC[job["arch"]])
+        assert got["greedy"]["tokens"] == tokens, what
+        assert torch.equal(got["logits"], logits), what
+        assert got["spec"]["tokens"] == tokens, what + " (speculative)"
         stats = got["greedy"]["stats"]
-        assert stats["world_size"] == 2
-        assert [r["layers"] for r in stats["ranks"]] == [[2, 3], [0, 1]]
-        assert [(r["embedding"], r["head"]) for r in stats["ranks"]] == [(False, True), (True, False)]
-        assert all(r["peak_bytes"]["host"] > 0 for r in stats["ranks"])
+        assert stats["world_size"] == world
+        ranks = stats["ranks"]
+        assert [r["rank"] for r in ranks] == list(range(world))
+        # stages in ring order from rank 1: contiguous, covering every layer once, the head on rank 0
+        order = ranks[1:] + ranks[:1]
+        assert order[0]["layers"][0] == 0 and order[-1]["layers"][1] == 3
+        assert all(a["layers"][1] + 1 == b["layers"][0] for a, b in zip(order, order[1:]))
+        assert [r["head"] for r in ranks] == [True] + [False] * (world - 1)
+        assert [r["embedding"] for r in order] == [True] + [False] * (world - 1)
+        for r in ranks:
+            host = r["budget_bytes"]["host"]
+            assert r["peak_bytes"]["host"] > 0 and (host is None or r["peak_bytes"]["host"] <= host), what
+        spec = got["spec"]["stats"]
+        assert spec["spec"] == SPEC[job["arch"]] and spec["target_forwards"] <= len(tokens)
+        if job["arch"] == "deepseek_v3":
+            assert spec["draft_tokens"] > 0, "MTP drafted across ranks"
+
+
+def test_two_ranks_match_one_process(models):
+    check(2, models)
+
+
+def test_four_ranks_match_one_process(models):
+    check(4, models)

@@ -110,7 +110,8 @@ class Link:
         header[0] = op
         header[1:1 + len(numbers)] = torch.tensor(numbers, dtype=torch.int64)
         for t in (header, *tensors):
-            self._wait(dist.isend(t.to(self.wire).contiguous(), self.topology.next), self.topology.next, "send")
+            t = t.to(self.wire).contiguous()
+            self._wait(lambda: dist.isend(t, self.topology.next), self.topology.next, "send")
 
     def recv_header(self, idle: bool = False) -> list[int]:
         """The next message's header. idle: waiting for a command (the group's timeout), not within a request."""
@@ -118,11 +119,13 @@ class Link:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, idle: bool = False) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.wire)
-        self._wait(dist.irecv(out, self.topology.previous), self.topology.previous, "receive", idle)
+        self._wait(lambda: dist.irecv(out, self.topology.previous), self.topology.previous, "receive", idle)
         return out
 
-    def _wait(self, work, peer: int, what: str, idle: bool = False) -> None:
+    def _wait(self, start, peer: int, what: str, idle: bool = False) -> None:
+        """start() posts the transfer (a broken connection may fail it at once); then wait for it."""
         try:
+            work = start()
             if idle:
                 work.wait()
             else:

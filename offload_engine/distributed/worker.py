@@ -2,7 +2,9 @@
 
 Each command arrives from the previous rank and, but for cache commands reaching the last rank (rank 0 has
 applied them already), goes on to the next one. A failure (this rank's own, or a peer found dead or silent) is
-sent on as an ERROR naming the rank at fault, so rank 0 fails the request with that name, and ends serving.
+sent on as an ERROR naming the rank at fault, so rank 0 fails the request with that name. The rank then keeps
+taking (and dropping) what the previous rank sends, so rank 0's commands never wait on a rank that stopped
+listening, until the ring closes or the previous rank goes away; then it ends serving with the error.
 """
 from __future__ import annotations
 
@@ -55,9 +57,11 @@ class StageWorker:
                 self._handle(op, header)
             except RankFailedError as e:
                 self._pass_on(e.rank, str(e))
+                self._drain()
                 raise
             except Exception as e:  # this rank's own failure: the request fails on every rank, naming this one
                 self._pass_on(self.rank, f"{type(e).__name__}: {e}")
+                self._drain()
                 raise RankFailedError(self.rank, f"{type(e).__name__}: {e}") from e
 
     def _pass_on(self, rank: int, message: str) -> None:
@@ -67,6 +71,33 @@ class StageWorker:
         except RankFailedError:
             pass  # the next rank is gone too; rank 0 finds out from its own links
 
+    def _drain(self) -> None:
+        """After a failure: take every message until CLOSE or until the previous rank is gone."""
+        try:
+            while True:
+                header = self.link.recv_header(idle=True)
+                if header[0] == CLOSE:
+                    return
+                for shape, dtype in self._payload(header):
+                    self.link.recv(shape, dtype)
+        except RankFailedError:
+            return
+
+    def _payload(self, header: list[int]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors that follow a header (their shapes and dtypes)."""
+        op = header[0]
+        if op == FORWARD:
+            _, _, T, flags, cols, code = header[:6]
+            first = [((T,), torch.int64) if self.stage.first else ((T, self.model.spec.hidden_size), DTYPES[code])]
+            return (first + ([((T,), torch.int64)] if flags & HAS_POSITIONS else [])
+                    + ([((T, cols), torch.uint8)] if flags & HAS_MASK else []))
+        if op == KEEP:
+            return [((header[2],), torch.int64)]
+        if op in (STATS, ERROR):
+            return [((header[1 if op == STATS else 2],), torch.uint8)]
+        return []
+
+    @torch.inference_mode()  # the caches' tensors are inference tensors: trim and keep update them in place
     def _handle(self, op: int, header: list[int]) -> None:
         link = self.link
         if op == ERROR:
@@ -93,7 +124,6 @@ class StageWorker:
             if not self.last:  # rank 0 applied it first
                 link.send(op, *header[1:], tensors=extra)
 
-    @torch.inference_mode()
     def _forward(self, header: list[int]) -> None:
         link, model = self.link, self.model
         _, cache_id, T, flags, mask_cols, dtype_code = header[:6]

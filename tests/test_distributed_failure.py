@@ -1,0 +1,44 @@
+"""A pipeline rank killed (SIGKILL) or stopped (SIGSTOP) mid-request: the request fails on rank 0 within the rank
+timeout with an error naming that rank, no rank hangs, and the pipeline opens again (tools/rank_death.py; it
+runs 20 trials by hand, CI a few). And the CLI: `run --devices cpu,cpu` prints what the single process prints."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+TIMEOUT_S = 2.0
+
+
+def test_a_killed_or_stopped_rank_fails_the_request_naming_it(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "rank_death.py"), "--model", str(path), "--world",
+                           "3", "--trials", "3", "--stall", "1", "--timeout", str(TIMEOUT_S), "--json"],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["mode"], r["victim"]) for r in results] == [("stop", 1), ("kill", 2), ("kill", 1)]
+    for r in results:
+        assert r["failed"] and r["rank"] == r["victim"], r
+        assert f"pipeline rank {r['victim']} failed" in r["error"]
+        assert r["seconds"] <= TIMEOUT_S + 2.0, r
+        assert r["ok"], r
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_run_with_devices_prints_the_single_process_result(checkpoint_factory):
+    path = str(checkpoint_factory("qwen3_moe"))
+    command = [sys.executable, "-m", "offload_engine.cli", "run", "--model", path, "--prompt", "def f(x):",
+               "--max-new-tokens", "4", "--json", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    one = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    two = subprocess.run(command + ["--devices", "cpu,cpu"], capture_output=True, text=True, timeout=120, env=env)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    single, split = json.loads(one.stdout), json.loads(two.stdout)  # one JSON object: rank 0's
+    assert split["token_ids"] == single["token_ids"] and split["text"] == single["text"]
+    assert split["stats"]["world_size"] == 2
+    assert [r["layers"] for r in split["stats"]["ranks"]] == [[2, 2], [0, 1]]
+    bad = subprocess.run(command + ["--devices", "cpu,gpu"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "--devices" in bad.stderr
