@@ -15,8 +15,7 @@ from ..checkpoint.stage import Stage
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..generate.decoder import FinishEvent
-from ..planner.kv import kv_bytes
-from ..planner.split import Extras, LayerCost, RankSpec, split_layers
+from ..planner.split import RankSpec, Tier, layer_costs, split_layers
 from ..runtime.mtp import attach_mtp_units
 from .group import Link, RankFailedError, Topology, env_topology, init_group, rank_timeout_from_env
 from .pipeline import PipelineLM, Ring
@@ -51,30 +50,6 @@ def stage_of(rank: int, world_size: int) -> int:
     return (rank - 1) % world_size
 
 
-def layer_costs(checkpoint: ModelCheckpoint, context: int, itemsize: int) -> tuple[list[LayerCost], Extras]:
-    """Each decoder layer's bytes from the checkpoint's units (what the planner's split weighs)."""
-    spec = checkpoint.spec
-    n = spec.num_layers
-    dense, experts, largest = [0] * n, [0] * n, [0] * n
-    counts = [0] * n
-    extras = {"embed": 0, "head": 0, "mtp": 0}
-    for key, layout in checkpoint.layouts.items():
-        if key.kind == "dense" and key.layer < n:
-            dense[key.layer] += layout.nbytes
-        elif key.kind == "expert" and key.layer < n:
-            experts[key.layer] += layout.nbytes
-            counts[key.layer] += 1
-            largest[key.layer] = max(largest[key.layer], layout.nbytes)
-        elif key.kind in ("embed", "head"):
-            extras[key.kind] += layout.nbytes
-        else:  # MTP units and their experts
-            extras["mtp"] += layout.nbytes
-    k = spec.num_experts_per_tok
-    return ([LayerCost(dense[l], experts[l], experts[l] * k / counts[l] if counts[l] else 0.0, dense[l],
-                       largest[l], kv_bytes(spec, context, itemsize, layers=range(l, l + 1))) for l in range(n)],
-            Extras(**extras))
-
-
 def engine_split(path: str | os.PathLike, config: EngineConfig, world_size: int) -> list[tuple[int, int]]:
     """Layer ranges per stage for ranks alike (the same budgets and hardware): balanced bytes read per token.
     OFFLOAD_ENGINE_SPLIT ("0:2,2:4": stage by stage) sets them instead."""
@@ -94,8 +69,9 @@ def engine_split(path: str | os.PathLike, config: EngineConfig, world_size: int)
         return [(s.start, s.stop) for s in stages]
     if config.speculative.mode in ("auto", "mtp"):
         checkpoint = attach_mtp_units(checkpoint)
-    layers, extras = layer_costs(checkpoint, 1, 4)  # the weights decide: KV is alike per layer
-    ranks = [RankSpec(f"stage {s}", None, 1.0, 1.0) for s in range(world_size)]
+    units = {key: layout.nbytes for key, layout in checkpoint.layouts.items()}
+    layers, extras = layer_costs(units, checkpoint.spec, 1, 4)  # the weights decide: KV is alike per layer
+    ranks = [RankSpec(f"stage {s}", (Tier(None, 1.0),), 1.0) for s in range(world_size)]
     return split_layers(layers, ranks, extras).ranges
 
 

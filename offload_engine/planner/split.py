@@ -1,19 +1,20 @@
 """Splitting a model's layers over pipeline ranks: contiguous ranges, balanced predicted step time.
 
 Ranks run in pipeline order (stage 0 embeds the tokens, the last stage holds the head and any MTP layers). A
-rank's step time for its range is a simple, exact model of one decode token:
+rank's step time for its range is a simple, exact model of one decode token. The rank's memory tiers, fastest
+first (VRAM, then RAM; a CPU rank has RAM only), hold after the KV cache of its layers (on the first tier) and
+its extras (the embedding on the first stage, MTP layers on the last: on the last tier) its layers' `always`
+bytes first (attention, norms, router, shared experts, dense MLPs, the head on the last stage), then routed
+experts; what no tier holds is read from the rank's disk. Per token the rank reads every `always` byte and
+`touched` expert bytes (top-k of each layer's experts, spread over the tiers as the experts are: uniform
+routing, no locality, so a conservative figure), each at its tier's rate (VRAM: the GPU's memory bandwidth;
+RAM on a GPU rank: the PCIe copy; disk: the NVMe):
 
-    resident bytes read     (always + touched) / read_bps     (attention, norms, router, shared experts and dense
-                                                                 MLPs: `always`; the routed experts one token
-                                                                 uses on average: `touched`)
-  + missed bytes read       missed / disk_bps
+    step_s = sum over tiers of bytes read from the tier / its rate
 
-where the rank's memory (VRAM + RAM budget) holds, after the KV cache of its layers and its extras (the
-embedding on the first stage, the head and MTP layers on the last), its layers' `always` bytes first and then
-routed experts; missed = the `always` bytes that did not fit + touched x the share of experts not held. A rank
-is feasible for a range when its memory holds the KV cache, the extras and the minimum working set (two
-slots of the range's largest dense unit and two of its largest expert). More memory or a faster disk lowers a
-rank's time for the same range, so it takes more layers.
+A rank is feasible for a range when its first tier holds the KV cache and the minimum working set (two slots of
+the range's largest dense unit and two of its largest expert), and its tiers hold the extras. More memory or a
+faster disk lowers a rank's time for the same range, so it takes more layers.
 
 The split minimizes the slowest rank's step time (the pipeline's throughput bound when several sequences are in
 flight), then, among splits within that bound, the sum (one sequence's token latency). Predicted tok/s for one
@@ -24,10 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from ..checkpoint.hf_config import ModelSpec
+from ..checkpoint.naming import UnitKey
 from ..errors import ConfigError, PlanError
 from ..units import format_bytes
+from .kv import kv_bytes
 
 EPS = 1e-9
 
@@ -46,18 +50,26 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class Tier:
+    memory: int | None  # bytes (None: unlimited)
+    read_bps: float  # bytes per second a token's compute reads its weights from this tier at
+
+
+@dataclass(frozen=True)
 class RankSpec:
-    """One rank: `memory` bytes for weights and KV (its VRAM + RAM budgets; None: unlimited), the rate it reads
-    resident weights while computing (bytes/s) and its disk's read rate (bytes/s)."""
+    """One rank: its memory tiers fastest first, and its disk's read rate (bytes/s)."""
 
     name: str
-    memory: int | None
-    read_bps: float
+    tiers: tuple[Tier, ...]
     disk_bps: float
 
     def __post_init__(self):
-        if not (self.read_bps > 0 and self.disk_bps > 0):
-            raise ConfigError(f"rank {self.name}: read_bps and disk_bps must be > 0")
+        if not self.tiers or not all(t.read_bps > 0 for t in self.tiers) or not self.disk_bps > 0:
+            raise ConfigError(f"rank {self.name}: at least one memory tier, every rate > 0")
+
+    @property
+    def memory(self) -> int | None:
+        return None if any(t.memory is None for t in self.tiers) else sum(t.memory for t in self.tiers)
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class StagePlan:
     need: int  # the minimum this stage must hold (KV, extras, working set)
     kv: int
     weights: int  # bytes of the stage's units, extras included
-    held: int  # of which the memory holds
+    held: list[int]  # per tier: weight bytes it holds (extras included)
     missed: float  # bytes read from disk per token
     step_s: float
 
@@ -102,21 +114,23 @@ class Split:
         return 1.0 / self.token_s if self.token_s > 0 else math.inf
 
     def describe(self) -> str:
-        lines = [f"{'rank':<10} {'layers':>9} {'memory':>11} {'needs':>11} {'kv':>11} {'weights':>11} "
-                 f"{'held':>11} {'miss/token':>11} {'step ms':>9}"]
-        for s in self.stages:
+        lines = [f"{'stage':<5} {'rank':<16} {'layers':>7} {'memory':>11} {'needs':>10} {'kv':>10} "
+                 f"{'weights':>11} {'held (per tier)':>24} {'disk/token':>11} {'step ms':>9}"]
+        for i, s in enumerate(self.stages):
             memory = "unlimited" if s.memory is None else format_bytes(s.memory)
-            lines.append(f"{s.rank:<10} {f'{s.start}-{s.stop - 1}':>9} {memory:>11} {format_bytes(s.need):>11} "
-                         f"{format_bytes(s.kv):>11} {format_bytes(s.weights):>11} {format_bytes(s.held):>11} "
-                         f"{format_bytes(s.missed):>11} {1e3 * s.step_s:>9.3f}")
-        lines.append(f"hops: {len(self.stages)} x {1e3 * self.hop_s:.3f} ms; predicted {self.tok_s:.2f} tok/s "
-                     f"(one sequence), slowest rank {1e3 * max(s.step_s for s in self.stages):.3f} ms/step")
+            held = " + ".join(format_bytes(h) for h in s.held)
+            lines.append(f"{i:<5} {s.rank:<16} {f'{s.start}-{s.stop - 1}':>7} {memory:>11} {format_bytes(s.need):>10} "
+                         f"{format_bytes(s.kv):>10} {format_bytes(s.weights):>11} {held:>24} "
+                         f"{format_bytes(s.missed):>11} {1e3 * s.step_s:>9.2f}")
+        lines.append(f"hops: {len(self.stages)} x {1e3 * self.hop_s:.3f} ms; predicted {self.tok_s:.2f} tok/s for "
+                     f"one sequence; slowest rank {1e3 * max(s.step_s for s in self.stages):.2f} ms/step "
+                     f"(uniform routing: no expert locality)")
         return "\n".join(lines)
 
 
 def stage_plan(layers: Sequence[LayerCost], rank: RankSpec, start: int, stop: int, first: bool, last: bool,
                extras: Extras = Extras()) -> StagePlan | None:
-    """The rank's step for layers [start, stop), or None when its memory cannot hold the stage's minimum."""
+    """The rank's step for layers [start, stop), or None when it cannot hold the stage's minimum."""
     part = layers[start:stop]
     kv = sum(l.kv for l in part)
     always = sum(l.always for l in part) + (extras.head if last else 0)
@@ -124,17 +138,25 @@ def stage_plan(layers: Sequence[LayerCost], rank: RankSpec, start: int, stop: in
     touched = sum(l.touched for l in part)
     fixed = (extras.embed if first else 0) + (extras.mtp if last else 0)
     working = 2 * max(l.largest_dense for l in part) + 2 * max(l.largest_expert for l in part)
-    need = kv + fixed + working
-    weights = always + experts + fixed
-    if rank.memory is not None and rank.memory < need:
+    need = kv + working + fixed
+    free = [math.inf if t.memory is None else t.memory for t in rank.tiers]
+    free[0] -= kv
+    if free[0] < working:
         return None
-    free = math.inf if rank.memory is None else rank.memory - kv - fixed
-    pinned = min(always, free)
-    cached = min(experts, free - pinned)
-    missed = (always - pinned) + (touched * (1 - cached / experts) if experts else 0.0)
-    step = (always + touched) / rank.read_bps + missed / rank.disk_bps
-    held = int(pinned + cached + fixed)
-    return StagePlan(rank.name, start, stop, rank.memory, need, kv, weights, held, missed, step)
+    free[-1] -= fixed  # extras on the last (largest) tier
+    if free[-1] < (working if len(free) == 1 else 0):
+        return None
+    held, time, left_always, left_experts = [], 0.0, always, experts
+    for tier, room in zip(rank.tiers, free):
+        a = min(left_always, room)
+        e = min(left_experts, room - a)
+        left_always, left_experts = left_always - a, left_experts - e
+        held.append(int(a + e))
+        time += (a + (touched * e / experts if experts else 0.0)) / tier.read_bps
+    missed = left_always + (touched * left_experts / experts if experts else 0.0)
+    held[-1] += fixed
+    return StagePlan(rank.name, start, stop, rank.memory, need, kv, always + experts + fixed, held, missed,
+                     time + missed / rank.disk_bps)
 
 
 def split_layers(layers: Sequence[LayerCost], ranks: Sequence[RankSpec], extras: Extras = Extras(), *,
@@ -154,7 +176,7 @@ def split_layers(layers: Sequence[LayerCost], ranks: Sequence[RankSpec], extras:
         """Bound None: minimize the slowest step; else minimize the sum with every step <= bound."""
         table: dict[tuple[int, int], tuple[float, list[tuple[int, int]]]] = {(0, 0): (0.0, [])}
         for k in range(r):
-            for (done, at), (value, ranges) in [(key, v) for key, v in table.items() if key[0] == k]:
+            for (_, at), (value, ranges) in [(key, v) for key, v in table.items() if key[0] == k]:
                 for b in range(at + 1, n - (r - k - 1) + 1):
                     s = cost.get((k, at, b))
                     if s is None or (bound is not None and s.step_s > bound * (1 + EPS) + EPS):
@@ -178,9 +200,34 @@ def _infeasible(layers: Sequence[LayerCost], ranks: Sequence[RankSpec], extras: 
     n, r = len(layers), len(ranks)
     parts = []
     for k, rank in enumerate(ranks):
-        needs = [stage_plan(layers, RankSpec(rank.name, None, 1, 1), a, a + 1, k == 0, k == r - 1, extras).need
+        unlimited = RankSpec(rank.name, tuple(Tier(None, 1.0) for _ in rank.tiers), 1.0)
+        needs = [stage_plan(layers, unlimited, a, a + 1, k == 0, k == r - 1, extras).need
                  for a in range(k, n - (r - k) + 1)]
-        parts.append(f"{rank.name}: memory {format_bytes(rank.memory) if rank.memory is not None else 'unlimited'}"
-                     f", its smallest stage needs {format_bytes(min(needs))}")
-    return (f"no split of {n} layers over {r} ranks fits every rank's memory (each stage holds its KV cache, its "
-            f"extras and two slots of its largest units): " + "; ".join(parts))
+        tiers = " + ".join("unlimited" if t.memory is None else format_bytes(t.memory) for t in rank.tiers)
+        parts.append(f"{rank.name}: memory {tiers}, its smallest stage needs {format_bytes(min(needs))}")
+    return (f"no split of {n} layers over {r} ranks fits every rank's memory (each stage holds its KV cache and "
+            f"two slots of its largest units in its fastest tier, and its extras): " + "; ".join(parts))
+
+
+def layer_costs(units: Mapping[UnitKey, int], spec: ModelSpec, context: int, itemsize: int
+                ) -> tuple[list[LayerCost], Extras]:
+    """Each decoder layer's bytes from the units' bytes (a checkpoint's layouts, or the planner's sizes from
+    config.json), with its KV cache for `context` positions; MTP units count as extras of the last stage."""
+    n = spec.num_layers
+    dense, experts, largest, counts = [0] * n, [0] * n, [0] * n, [0] * n
+    extras = {"embed": 0, "head": 0, "mtp": 0}
+    for key, nbytes in units.items():
+        if key.kind == "dense" and 0 <= key.layer < n:
+            dense[key.layer] += nbytes
+        elif key.kind == "expert" and 0 <= key.layer < n:
+            experts[key.layer] += nbytes
+            counts[key.layer] += 1
+            largest[key.layer] = max(largest[key.layer], nbytes)
+        elif key.kind in ("embed", "head"):
+            extras[key.kind] += nbytes
+        else:  # MTP units and their experts
+            extras["mtp"] += nbytes
+    k = spec.num_experts_per_tok
+    return ([LayerCost(dense[l], experts[l], experts[l] * k / counts[l] if counts[l] else 0.0, dense[l],
+                       largest[l], kv_bytes(spec, context, itemsize, layers=range(l, l + 1))) for l in range(n)],
+            Extras(**extras))
