@@ -79,6 +79,8 @@ def env_topology(device: str | None = None) -> Topology | None:
     elif device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # --device cuda under torchrun: this rank's local GPU
+        dev = torch.device("cuda", local)
     return Topology(rank, world, dev, "nccl" if dev.type == "cuda" else "gloo")
 
 
