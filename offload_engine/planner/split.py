@@ -125,6 +125,8 @@ class Split:
         lines.append(f"hops: {len(self.stages)} x {1e3 * self.hop_s:.3f} ms; predicted {self.tok_s:.2f} tok/s for "
                      f"one sequence; slowest rank {1e3 * max(s.step_s for s in self.stages):.2f} ms/step "
                      f"(uniform routing: no expert locality)")
+        lines.append(f"stage s runs on rank s + 1, the last stage on rank 0 (it samples): "
+                     f"OFFLOAD_ENGINE_SPLIT={','.join(f'{a}:{b}' for a, b in self.ranges)} makes `run` use this split")
         return "\n".join(lines)
 
 

@@ -59,7 +59,7 @@ def build_split(model: str, ranks: str, default_hardware: str, weights: str | No
             raise ConfigError(str(e)) from None
 
     vram, ram = size(rank_vram, "--rank-vram"), size(rank_ram, "--rank-ram")
-    specs = [rank_spec(f"{i}:{name}", load_profile(name), vram, ram) for i, name in enumerate(names)]
+    specs = [rank_spec(name, load_profile(name), vram, ram) for name in names]
     layers, extras = layer_costs(shape.bytes_of(fmt, False), shape.spec, context, ITEMSIZE)
     if link_gbps <= 0 or link_us < 0:
         raise ConfigError("--link-gbps must be > 0 and --link-us >= 0")
