@@ -15,6 +15,7 @@ from ..checkpoint.stage import Stage
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..generate.decoder import FinishEvent
+from ..planner.kv import layer_types
 from ..planner.split import RankSpec, Tier, layer_costs, split_layers
 from ..runtime.mtp import attach_mtp_units
 from .group import Link, RankFailedError, Topology, env_topology, init_group, rank_timeout_from_env
@@ -108,7 +109,8 @@ def open_rank(path: str | os.PathLike, config: EngineConfig, topology: Topology 
     link = Link(topology, timeout if timeout is not None else rank_timeout_from_env())
     if rank != 0:
         return StageWorker(parts, link, stage)
-    ring = Ring(link, parts.model.spec.hidden_size) if world > 1 else None
+    recurrent = "linear_attention" in layer_types(parts.model.spec)
+    ring = Ring(link, parts.model.spec.hidden_size, recurrent) if world > 1 else None
     if ring is not None:
         parts = dataclasses.replace(parts, model=PipelineLM(parts.model, ring))
     return PipelineEngine(parts, ring, topology, stage)

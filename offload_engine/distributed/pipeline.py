@@ -23,7 +23,7 @@ from ..runtime.model import CausalLM
 from .group import Link, RankFailedError, decode_text, encode_text
 
 # ops: the first slot of a message's header
-FORWARD, NEW, FREE, TRIM, KEEP, STATS, CLOSE, ERROR = range(1, 9)
+FORWARD, NEW, FREE, TRIM, KEEP, STATS, CLOSE, ERROR, CHECK = range(1, 10)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # hidden states' dtype, by its code in the header
 HAS_POSITIONS, HAS_MASK = 1, 2  # FORWARD's flags
 
@@ -31,8 +31,9 @@ HAS_POSITIONS, HAS_MASK = 1, 2  # FORWARD's flags
 class Ring:
     """Rank 0's end of the ring: commands out to rank 1, replies in from the last rank."""
 
-    def __init__(self, link: Link, hidden_size: int):
-        self.link, self.hidden_size = link, hidden_size
+    def __init__(self, link: Link, hidden_size: int, recurrent: bool = False):
+        """recurrent: some layer keeps a recurrent state (DeltaNet): a rewind is first checked on every rank."""
+        self.link, self.hidden_size, self.recurrent = link, hidden_size, recurrent
         self.failed: RankFailedError | None = None
         self._ids = itertools.count()
         self._freed: list[int] = []  # caches dropped since the last command (a finalizer appends here)
@@ -76,6 +77,12 @@ class Ring:
         cache_id = next(self._ids)
         self.command(NEW, cache_id, capacity)
         return cache_id
+
+    def can_rewind(self, cache_id: int, position: int) -> bool:
+        """Whether every other rank's cache can be brought back to `position` (their recurrent layers' windows
+        differ from rank 0's when rank 0's layers have none): asked before a trim or keep changes any rank."""
+        self.command(CHECK, cache_id, position, 1)
+        return bool(self.expect(CHECK)[3])
 
     def free(self, cache_id: int) -> None:
         self._freed.append(cache_id)
@@ -142,12 +149,21 @@ class RingCache:
     def advance(self, n: int) -> None:
         self.local.advance(n)  # each rank advances its own cache as its layers finish
 
+    def _check(self, position: int) -> None:
+        if self.ring.recurrent and self.ring.failed is None and not self.ring.can_rewind(self.id, position):
+            raise ValueError(f"cannot rewind the cache to position {position}: a rank's recurrent state is kept "
+                             f"only from a later position (after a chunked forward)")
+
     def trim(self, n: int) -> None:
+        if n:
+            self._check(self.local.length - n)
         self.local.trim(n)
         if n and self.ring.failed is None:
             self.ring.command(TRIM, self.id, n)
 
     def keep(self, positions: list[int]) -> None:
+        if positions:
+            self._check(positions[0] + len(positions))
         self.local.keep(positions)
         if self.ring.failed is None:
             self.ring.command(KEEP, self.id, len(positions), tensors=(torch.tensor(positions, dtype=torch.int64),))

@@ -19,7 +19,7 @@ from ..checkpoint.stage import Stage
 from ..errors import out_of_memory_as_error
 from ..runtime.layers import causal_mask
 from .group import Link, RankFailedError, decode_text, encode_text
-from .pipeline import CLOSE, DTYPES, ERROR, FORWARD, FREE, HAS_MASK, HAS_POSITIONS, KEEP, NEW, STATS, TRIM
+from .pipeline import CHECK, CLOSE, DTYPES, ERROR, FORWARD, FREE, HAS_MASK, HAS_POSITIONS, KEEP, NEW, STATS, TRIM
 
 
 def rank_figures(rank: int, stage: Stage | None, parts: EngineParts) -> dict[str, Any]:
@@ -104,6 +104,9 @@ class StageWorker:
             raise RankFailedError(header[1], decode_text(link.recv((header[2],), torch.uint8)))
         if op == FORWARD:
             self._forward(header)
+        elif op == CHECK:  # goes around to rank 0, every rank's answer and-ed in
+            ok = header[3] and self.caches[header[1]].can_rewind(header[2])
+            link.send(CHECK, header[1], header[2], int(ok))
         elif op == STATS:
             ranks = json.loads(decode_text(link.recv((header[1],), torch.uint8)))
             text = encode_text(json.dumps(ranks + [rank_figures(self.rank, self.stage, self.parts)]))
