@@ -239,6 +239,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.command import serve
 
     _check_threads(args.threads)
+    if _started_as_rank():
+        from .errors import ConfigError
+
+        raise ConfigError("serve runs in one process: the layers split across ranks (torchrun, --devices) is "
+                          "available to `run` only")
     check_serve_flags(args)  # before loading: a refused bind costs no load
     engine = Engine.open(args.model or default_model_path(), engine_config(args))
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -79,7 +80,7 @@ def trial(path: str, world: int, victim: int, stall: bool, timeout: float) -> di
             if p.is_alive():
                 p.kill()
             p.join(10)
-    result["ok"] = (result.get("rank") == victim and result["seconds"] <= timeout + MARGIN_S
+    result["ok"] = (result.get("rank") == victim and result.get("seconds", math.inf) <= timeout + MARGIN_S
                     and all(not p.is_alive() for p in procs.values()))
     return result
 
