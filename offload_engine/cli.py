@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", metavar="A,B,...",
                      help="split the layers over one rank per device (cpu,cpu or cuda:0,cuda:1), started here; under "
                           "torchrun each rank takes its own (docs/SCALE.md)")
+    run.add_argument("--split", metavar="A:B,C:D,..",
+                     help="the layers of each pipeline stage (stage 0 on rank 1, the last on rank 0), e.g. what "
+                          "`plan --ranks` prints; default: alike ranks, balanced by bytes read per token")
     _common(run)
     run.set_defaults(func=cmd_run)
 
@@ -216,7 +219,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.devices or _started_as_rank():  # pipeline ranks: rank 0 generates and prints, the others serve it
         from .distributed.command import run_ranked
 
-        return run_ranked(model, config, args.devices, args.argv, lambda engine: _generate(engine, args))
+        return run_ranked(model, config, args.devices, args.argv, lambda engine: _generate(engine, args),
+                          split=args.split)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
     # between this assignment and the `try`
     engine = Engine.open(model, config)

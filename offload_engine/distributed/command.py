@@ -18,9 +18,12 @@ def started_as_rank() -> bool:
 
 
 def run_ranked(model: str, config: EngineConfig, devices: str | None, argv: list[str],
-               generate: Callable[[Any], int]) -> int:
+               generate: Callable[[Any], int], split: str | None = None) -> int:
     """Launch the ranks (--devices, not yet a rank) or be one: rank 0 calls generate(engine) and returns its
-    status; the other ranks serve until rank 0 closes and return 0."""
+    status; the other ranks serve until rank 0 closes and return 0. split: --split, the stages' layer ranges
+    (OFFLOAD_ENGINE_SPLIT, which the launched ranks inherit)."""
+    if split:
+        os.environ["OFFLOAD_ENGINE_SPLIT"] = split
     if not started_as_rank():
         return launch(parse_devices(devices or ""), argv, rank_timeout_from_env())
     if devices and "OFFLOAD_ENGINE_DEVICES" not in os.environ:  # torchrun with --devices: one device per rank

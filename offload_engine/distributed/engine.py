@@ -60,13 +60,14 @@ def engine_split(path: str | os.PathLike, config: EngineConfig, world_size: int)
     if text:
         try:
             ranges = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
-            stages = [Stage(a, b, n) for a, b in ranges]
-        except ValueError as e:
-            raise ConfigError(f"OFFLOAD_ENGINE_SPLIT {text!r}: expected start:stop per stage, e.g. 0:2,2:4 ({e})")
+            stages = [Stage(*r, n) for r in ranges]
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"--split / OFFLOAD_ENGINE_SPLIT {text!r}: expected start:stop per stage, e.g. "
+                              f"0:2,2:4 ({e})") from None
         if len(stages) != world_size or [s.start for s in stages] != [0] + [s.stop for s in stages[:-1]] \
                 or stages[-1].stop != n:
-            raise ConfigError(f"OFFLOAD_ENGINE_SPLIT {text!r}: {world_size} contiguous ranges covering layers "
-                              f"0-{n - 1} expected")
+            raise ConfigError(f"--split / OFFLOAD_ENGINE_SPLIT {text!r}: {world_size} contiguous ranges covering "
+                              f"layers 0-{n - 1} expected")
         return [(s.start, s.stop) for s in stages]
     if config.speculative.mode in ("auto", "mtp"):
         checkpoint = attach_mtp_units(checkpoint)

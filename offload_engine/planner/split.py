@@ -126,7 +126,7 @@ class Split:
                      f"one sequence; slowest rank {1e3 * max(s.step_s for s in self.stages):.2f} ms/step "
                      f"(uniform routing: no expert locality)")
         lines.append(f"stage s runs on rank s + 1, the last stage on rank 0 (it samples): "
-                     f"OFFLOAD_ENGINE_SPLIT={','.join(f'{a}:{b}' for a, b in self.ranges)} makes `run` use this split")
+                     f"run --split {','.join(f'{a}:{b}' for a, b in self.ranges)} uses this split")
         return "\n".join(lines)
 
 
