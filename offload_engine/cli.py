@@ -46,7 +46,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The budget and engine flags `run` and `serve` share (engine_config reads them)."""
     p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
+    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model (across ranks: of "
+                                 "each rank's layers; A,B,..: one per rank)")
     p.add_argument("--vram", help="device memory budget, same forms as --ram")
     p.add_argument("--context", type=int,
                      help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
@@ -215,10 +216,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_threads(args.threads)
     model = args.model or default_model_path()
-    config = engine_config(args)
-    if args.devices or _started_as_rank():  # pipeline ranks: rank 0 generates and prints, the others serve it
-        from .distributed.command import run_ranked
+    ranked = args.devices or _started_as_rank()  # pipeline ranks: rank 0 generates and prints, the others serve it
+    if ranked:
+        from .distributed.command import run_ranked, this_ranks_share
 
+        args.ram, args.vram = this_ranks_share(args.ram, "--ram"), this_ranks_share(args.vram, "--vram")
+        if args.devices and not _started_as_rank():
+            args.ram = args.vram = None  # the launcher itself loads nothing: its ranks take their shares
+    config = engine_config(args)
+    if ranked:
         return run_ranked(model, config, args.devices, args.argv, lambda engine: _generate(engine, args),
                           split=args.split)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt

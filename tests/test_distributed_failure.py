@@ -34,13 +34,16 @@ def test_run_with_devices_prints_the_single_process_result(checkpoint_factory):
                "--max-new-tokens", "4", "--json", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     one = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    two = subprocess.run(command + ["--devices", "cpu,cpu", "--split", "0:1,1:3"], capture_output=True, text=True,
-                         timeout=120, env=env)
+    two = subprocess.run(command + ["--devices", "cpu,cpu", "--split", "0:1,1:3", "--ram", "90%,60%"],
+                         capture_output=True, text=True, timeout=120, env=env)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     single, split = json.loads(one.stdout), json.loads(two.stdout)  # one JSON object: rank 0's
     assert split["token_ids"] == single["token_ids"] and split["text"] == single["text"]
     assert split["stats"]["world_size"] == 2
-    assert [r["layers"] for r in split["stats"]["ranks"]] == [[1, 2], [0, 0]]  # rank 1: stage 0
+    ranks = split["stats"]["ranks"]
+    assert [r["layers"] for r in ranks] == [[1, 2], [0, 0]]  # rank 1 runs stage 0
+    assert ranks[0]["budget_bytes"]["host"] != ranks[1]["budget_bytes"]["host"]  # --ram: one per rank
+    assert all(r["peak_bytes"]["host"] <= r["budget_bytes"]["host"] for r in ranks)
     bad = subprocess.run(command + ["--devices", "cpu,gpu"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "--devices" in bad.stderr
 

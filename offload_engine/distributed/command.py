@@ -7,6 +7,7 @@ import os
 from typing import Any, Callable
 
 from ..config import EngineConfig
+from ..errors import ConfigError
 from .engine import open_rank, serve_rank
 from .group import env_topology, leave_group, rank_timeout_from_env
 from .launch import launch, parse_devices
@@ -15,6 +16,18 @@ from .launch import launch, parse_devices
 def started_as_rank() -> bool:
     """torchrun's (or the launcher's) environment is set: this process is one rank of a group."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def this_ranks_share(values: str | None, flag: str) -> str | None:
+    """--ram / --vram given per rank ("64GiB,32GiB"): this rank's value (the launcher, not yet a rank, keeps the
+    list for its ranks); one value applies to every rank."""
+    if values is None or "," not in values or not started_as_rank():
+        return values
+    parts = values.split(",")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if len(parts) != world:
+        raise ConfigError(f"{flag} {values!r}: {len(parts)} values for {world} ranks (give one, or one per rank)")
+    return parts[rank].strip()
 
 
 def run_ranked(model: str, config: EngineConfig, devices: str | None, argv: list[str],
