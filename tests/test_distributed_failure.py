@@ -34,7 +34,7 @@ def test_run_with_devices_prints_the_single_process_result(checkpoint_factory):
                "--max-new-tokens", "4", "--json", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     one = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    two = subprocess.run(command + ["--devices", "cpu,cpu", "--split", "0:1,1:3", "--ram", "90%,60%"],
+    two = subprocess.run(command + ["--devices", "cpu,cpu", "--split", "0:1,1:3", "--ram", "4MiB,3MiB"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     single, split = json.loads(one.stdout), json.loads(two.stdout)  # one JSON object: rank 0's
