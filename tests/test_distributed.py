@@ -1,6 +1,7 @@
 """Pipeline parallelism over torch.distributed (gloo, ranks as processes on this box): the same greedy tokens and
 the same fp32 logits as the single-process engine, at full and 25% budgets per rank, for qwen3_moe, deepseek_v3
-(with MTP drafting) and qwen3_5_moe (DeltaNet state per rank); speculative decoding stays lossless across ranks."""
+(with MTP drafting) and qwen3_5_moe (DeltaNet state per rank); speculative decoding stays lossless across ranks
+(greedy, and seeded sampling: the same tokens as the single process)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from tests.distributed_ranks import run_ranks
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]  # repeats: the n-gram drafter has something to propose
 AGAIN = PROMPT[:6] + [9, 8]  # shares 6 positions with the first request: the cache is trimmed back to them
 GREEDY = dict(max_new_tokens=6, ignore_eos=True)
+SAMPLED = dict(max_new_tokens=6, ignore_eos=True, temperature=0.9, top_k=50, seed=7)
 BUDGETS = {"full": {}, "25%": {"budget": Budget(ram="25%")}}
 ARCHS = {"qwen3_moe": {}, "deepseek_v3": {"mtp": 1}, "qwen3_5_moe": {}}
 # per arch, the speculative mode checked lossless across ranks (deepseek_v3: its MTP layers on rank 0)
@@ -33,7 +35,8 @@ def single(path: str, options: dict, spec: str):
     with Engine.open(path, device="cpu", spec="mtp" if spec == "mtp" else "off", **options) as engine:
         tokens = engine.generate(PROMPT, **GREEDY).token_ids
         again = engine.generate(AGAIN, **GREEDY)
-        return tokens, again, engine.logits(PROMPT)
+        sampled = engine.generate(PROMPT, **SAMPLED, spec=spec).token_ids
+        return tokens, again, sampled, engine.logits(PROMPT)
 
 
 def jobs(models: dict[str, str]) -> list[dict]:
@@ -44,7 +47,8 @@ def jobs(models: dict[str, str]) -> list[dict]:
             opened = {**options, "spec": "mtp"} if spec == "mtp" else options
             out.append({"path": path, "options": opened, "logits": PROMPT, "arch": arch, "budget": name,
                         "generate": {"greedy": (PROMPT, GREEDY), "again": (AGAIN, GREEDY),
-                                     "spec": (PROMPT, {**GREEDY, "spec": spec})}})
+                                     "spec": (PROMPT, {**GREEDY, "spec": spec}),
+                                     "sampled": (PROMPT, {**SAMPLED, "spec": spec})}})
     return out
 
 
@@ -53,7 +57,7 @@ def check(world: int, models: dict[str, str]) -> None:
     results = run_ranks(world, todo)
     for job, got in zip(todo, results):
         what = f"{job['arch']} at {job['budget']} on {world} ranks"
-        tokens, again, logits = single(job["path"], {**BUDGETS[job["budget"]],
+        tokens, again, sampled, logits = single(job["path"], {**BUDGETS[job["budget"]],
                                                                  **OPTIONS.get((job["arch"], job["budget"]), {})},
                                        SPEC[job["arch"]])
         assert got["greedy"]["tokens"] == tokens, what
@@ -62,6 +66,7 @@ def check(world: int, models: dict[str, str]) -> None:
         assert again.stats["reused_prompt_tokens"] == REUSED.get((job["arch"], job["budget"]), 6), what
         assert torch.equal(got["logits"], logits), what
         assert got["spec"]["tokens"] == tokens, what + " (speculative)"
+        assert got["sampled"]["tokens"] == sampled, what + " (seeded sampling, speculative)"
         stats = got["greedy"]["stats"]
         assert stats["world_size"] == world
         ranks = stats["ranks"]
