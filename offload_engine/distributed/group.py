@@ -88,6 +88,9 @@ def init_group(topology: Topology, idle_timeout: float = IDLE_TIMEOUT_S) -> None
     """Join the process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT, or torchrun's)."""
     if topology.device.type == "cuda":
         torch.cuda.set_device(topology.device)
+        # NCCL work completes on its stream; blocking wait makes Work.wait(timeout) hold the CPU and honour the
+        # timeout, as gloo's does (written for GPUs, not yet run on two of them)
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     if not dist.is_initialized():
         dist.init_process_group(topology.backend, rank=topology.rank, world_size=topology.world_size,
                                 timeout=datetime.timedelta(seconds=idle_timeout))
