@@ -24,6 +24,7 @@ import torch
 from .checkpoint.layout import UnitLayout
 from .checkpoint.model import ModelCheckpoint, open_model
 from .checkpoint.naming import UnitKey
+from .checkpoint.stage import Stage, restrict
 from .config import Budget, EngineConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from .constants import DEFAULT_CONTEXT
 from .errors import ConfigError, PlanError
@@ -81,18 +82,23 @@ def close_parts(store: TieredStore | None, draft: Any) -> None:
             draft.close()
 
 
-def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = "combined") -> EngineParts:
+def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = "combined",
+             stage: Stage | None = None) -> EngineParts:
     """Open a Hugging Face folder within config.budget. Planning (and its BudgetError) happens before any weight
     is read. predictor: the prefetcher's expert predictor, "combined" (the engine's) or one of its parts alone
-    ("lookahead", "prior"; tools/eval_demo.py scores each)."""
+    ("lookahead", "prior"; tools/eval_demo.py scores each). stage: one pipeline rank's layers
+    (checkpoint/stage.py): the store, placement and KV cache hold only its units, budget percentages are of their
+    bytes, and only the last stage loads MTP layers and a draft model."""
     if predictor not in PREDICTORS:
         raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
     speculative, mode = config.speculative, config.speculative.mode
     device = resolve_device(config.device)
     checkpoint = open_model(path, allow_cast=config.allow_cast)
     dtype = resolve_dtype(config.dtype, device, checkpoint.spec.dtype)
-    # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads
-    resolved = config.budget.resolve(checkpoint.index.total_bytes)
+    # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads; a
+    # stage's, of the bytes of the units it holds
+    resolved = config.budget.resolve(checkpoint.index.total_bytes if stage is None else
+                                     restrict(checkpoint, stage).total_bytes)
     context = config.max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
     ops = build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -101,13 +107,16 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
         return slot_room(layout, device, dtype) if config.kernels == "auto" else 0
 
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
-        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context, config.kv_dtype), config.direct_io,
-                        room)
+        ck = restrict(ck, stage)
+        return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context, config.kv_dtype, stage),
+                        config.direct_io, room)
 
     placement, use_direct = plan(checkpoint)
-    if mode in ("auto", "mtp"):
+    last = stage is None or stage.last
+    if mode in ("auto", "mtp") and last:
         checkpoint, placement, use_direct = _with_mtp_units(checkpoint, placement, use_direct, plan,
                                                             required=mode == "mtp")
+    checkpoint = restrict(checkpoint, stage)
     # the rates host_compute="auto" weighs, measured before the store allocates (the probes' buffers are
     # transient and outside the budget), and only where the host tier will cache experts apart from VRAM
     rates = (measure_machine(device, dtype)
@@ -120,15 +129,17 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     try:
         model = CausalLM(checkpoint, store, device, dtype, max_context=context + SPEC_ROOM,
                          prefill_chunk=config.prefill_chunk, ops=ops,
-                         prefetcher=make_prefetcher(checkpoint, ops, store, config.prefetch, config.trace, predictor),
+                         prefetcher=make_prefetcher(checkpoint, ops, store, config.prefetch, config.trace, predictor,
+                                                    stage.layers if stage is not None else None),
                          host_compute=make_host_compute(config.host_compute, rates, store),
-                         routing_trace=[] if config.record_routing else None, kv_dtype=config.kv_dtype)
-        if mode == "mtp" and not mtp_supported(model):
+                         routing_trace=[] if config.record_routing else None, kv_dtype=config.kv_dtype,
+                         stage=stage)
+        if mode == "mtp" and last and not mtp_supported(model):
             raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                               f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
                               f"{checkpoint.arch.name})")
         tokenizer = Tokenizer.load_optional(checkpoint.root)
-        if speculative.draft_model is not None and mode in ("auto", "draft"):
+        if speculative.draft_model is not None and mode in ("auto", "draft") and last:
             draft = _assemble_draft(speculative, config.progress, device, dtype, context, config.kv_dtype)
             check_same_vocabulary(tokenizer, draft.tokenizer, model.vocab_size, draft.model.vocab_size)
         return EngineParts(checkpoint, store, model, tokenizer, device, dtype, context, speculative, draft)
@@ -148,8 +159,10 @@ def _assemble_draft(speculative: SpeculativeConfig, progress: bool, device: torc
 
 
 def make_prefetcher(checkpoint: ModelCheckpoint, ops: Any, store: TieredStore, config: PrefetchConfig,
-                    trace: str | None, predictor: str = "combined") -> Prefetcher | None:
-    """Only when something streams: with every unit pinned there is nothing to read ahead."""
+                    trace: str | None, predictor: str = "combined", layers: range | None = None
+                    ) -> Prefetcher | None:
+    """Only when something streams: with every unit pinned there is nothing to read ahead. layers: the decoder
+    layers the store holds (a pipeline stage's; None: all)."""
     if not config.enabled or not store.placement.streams:
         if trace:
             logging.getLogger("offload_engine").warning(
@@ -157,13 +170,14 @@ def make_prefetcher(checkpoint: ModelCheckpoint, ops: Any, store: TieredStore, c
                 "prefetching is off" if not config.enabled else "every unit is resident, nothing is read ahead")
         return None
     spec = checkpoint.spec
-    moe_layers = [l for l in range(spec.num_layers) if ops.is_moe(l)]
+    layers = layers if layers is not None else range(spec.num_layers)
+    moe_layers = [l for l in layers if ops.is_moe(l)]
     lookahead = RouterLookahead(ops, moe_layers, spec.num_experts_per_tok, config.margin,
                                 lambda t: store.peek(UnitKey(t, "dense")))
     prior = FrequencyPrior(moe_layers, spec.num_experts_per_tok, Path(trace) if trace else None)
     chosen = {"combined": lambda: Combined(lookahead, prior), "lookahead": lambda: lookahead,
               "prior": lambda: prior}[predictor]()
-    return Prefetcher(store, chosen, moe_layers, spec.num_layers, config)
+    return Prefetcher(store, chosen, moe_layers, layers.stop, config, first_layer=layers.start)
 
 
 def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:
@@ -178,14 +192,16 @@ def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> H
 
 
 # ---- placement with or without the MTP layers ------------------------------------------------------------------
-def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int, kv_dtype: str) -> int:
+def _kv_bytes(checkpoint: ModelCheckpoint, itemsize: int, context: int, kv_dtype: str,
+              stage: Stage | None = None) -> int:
     """Every byte of per-sequence state one request may hold (the planner's formula, planner/kv.py): the main
     model's KV for the context plus a draft tree, its recurrent state with rollback logs, and each MTP layer's own
     cache (one attention layer's share, for the context, the tree and the MTP chain); attention entries as
-    `kv_dtype` stores them."""
+    `kv_dtype` stores them. A stage: its layers'."""
     tokens = context + SPEC_ROOM
     return kv_bytes(checkpoint.spec, tokens, itemsize, rollback=ROLLBACK, mtp_layers=mtp_layer_count(checkpoint),
-                    mtp_positions=tokens + MAX_DEPTH + 1, kv_dtype=kv_dtype)
+                    mtp_positions=tokens + MAX_DEPTH + 1, kv_dtype=kv_dtype,
+                    layers=stage.layers if stage is not None else None)
 
 
 # --spec auto loads MTP layers when they cost at most this share of the cache that streams units (measured on

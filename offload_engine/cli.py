@@ -47,7 +47,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: bfloat16 on CUDA, and on a CPU for a "
                    "bfloat16 checkpoint where the CPU has native bf16; else float32)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model")
+    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model (across ranks: of "
+                                 "each rank's layers; A,B,..: one per rank)")
     p.add_argument("--vram", help="device memory budget, same forms as --ram")
     p.add_argument("--context", type=int,
                      help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     run.add_argument("--stats", action="store_true", help="print a one-line summary after generation")
+    run.add_argument("--devices", metavar="A,B,...",
+                     help="split the layers over one rank per device (cpu,cpu or cuda:0,cuda:1), started here; under "
+                          "torchrun each rank takes its own (docs/SCALE.md)")
+    run.add_argument("--split", metavar="A:B,C:D,..",
+                     help="the layers of each pipeline stage (stage 0 on rank 1, the last on rank 0), e.g. what "
+                          "`plan --ranks` prints; default: alike ranks, balanced by bytes read per token")
     _common(run)
     run.set_defaults(func=cmd_run)
 
@@ -214,7 +221,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_threads(args.threads)
     model = args.model or default_model_path()
+    ranked = args.devices or _started_as_rank()  # pipeline ranks: rank 0 generates and prints, the others serve it
+    if ranked:
+        from .distributed.command import run_ranked, this_ranks_share
+
+        args.ram, args.vram = this_ranks_share(args.ram, "--ram"), this_ranks_share(args.vram, "--vram")
+        if args.devices and not _started_as_rank():
+            args.ram = args.vram = None  # the launcher itself loads nothing: its ranks take their shares
     config = engine_config(args)
+    if ranked:
+        return run_ranked(model, config, args.devices, args.argv, lambda engine: _generate(engine, args),
+                          split=args.split)
     # not `with Engine.open(...)`: a Ctrl-C landing in __enter__ would skip __exit__; nothing can interrupt
     # between this assignment and the `try`
     engine = Engine.open(model, config)
@@ -225,12 +242,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         engine.close()
 
 
+def _started_as_rank() -> bool:
+    import os
+
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import Engine
     from .defaults import default_model_path
     from .server.command import serve
 
     _check_threads(args.threads)
+    if _started_as_rank():
+        from .errors import ConfigError
+
+        raise ConfigError("serve runs in one process: the layers split across ranks (torchrun, --devices) is "
+                          "available to `run` only")
     check_serve_flags(args)  # before loading: a refused bind costs no load
     engine = Engine.open(args.model or default_model_path(), engine_config(args))
     try:
@@ -315,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             guard = SafeInterrupts()  # Ctrl-C raises KeyboardInterrupt, never inside the stdlib's lock handling
             args = build_parser().parse_args(argv)
+            args.argv = list(sys.argv[1:] if argv is None else argv)  # what --devices starts each rank with
             return args.func(args)
         finally:
             if guard is not None:

@@ -19,7 +19,7 @@ STAGES = {
     "store": 3, "prefetch": 3,
     "runtime": 4,
     "generate": 5, "speculative": 6,
-    "config": 7, "assemble": 7, "api": 8,
+    "config": 7, "assemble": 7, "api": 8, "distributed": 8,
     "cli": 9, "server": 9, "__init__": 10, "__main__": 10,
 }
 

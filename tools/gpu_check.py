@@ -14,6 +14,8 @@
 6. (`--int4`) the full-depth Qwen3-30B-A3B shape in compressed-tensors int4 group 32 (about 16 GB, written on the
    GPU by tools/synthetic_quant.py: the 61 GB bf16 copy would not fit the machine's 64 GiB disk) at 12 GiB VRAM
    and 32 GiB RAM, decode tok/s next to the planner's prediction for the same folder and budgets (--probe).
+7. pipeline parallelism's single-rank path: `torchrun --nproc-per-node 1 ... run` (NCCL, world_size 1) against the
+   plain engine's tokens (the multi-GPU NCCL path needs two GPUs and is not measured here);
 CI never runs this; it is run by hand when a GPU machine is lent (see README).
 """
 from __future__ import annotations
@@ -212,6 +214,30 @@ def int4_bench(scratch: Path, device: str = "cuda") -> dict:
                                        "bytes_host_to_device", "peak_bytes", "budget_bytes")}}
 
 
+def single_rank(scratch: Path, device: str = "cuda") -> dict:
+    """Pipeline parallelism's single-rank path under torchrun (NCCL on a GPU, gloo on a CPU): `world_size` 1, the
+    same tokens as the plain engine. The multi-GPU path (NCCL send/recv between ranks) needs two GPUs."""
+    from tools.make_checkpoint import make_checkpoint
+
+    model_dir = scratch / "dist-qwen3_moe-tiny"
+    if not (model_dir / "config.json").exists():
+        make_checkpoint("qwen3_moe", "tiny", model_dir, force=True)
+    run = ["run", "--model", str(model_dir), "--prompt", "def f(x):", "--max-new-tokens", "8", "--json", "--quiet",
+           "--device", device]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                "offload_engine.cli"]
+    out = {}
+    for name, command in (("plain", [sys.executable, "-m", "offload_engine.cli"]), ("torchrun", torchrun)):
+        proc = subprocess.run(command + run, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            return {name: {"error": proc.stderr[-1500:]}}
+        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = out["torchrun"]["stats"]
+    return {"world_size": stats.get("world_size"), "ranks": stats.get("ranks"),
+            "tokens_equal": out["torchrun"]["token_ids"] == out["plain"]["token_ids"],
+            "decode_tok_s": {k: v["stats"]["decode_tok_s"] for k, v in out.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
@@ -229,7 +255,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if cuda else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
-    steps = [("engine", lambda: engine_bench(args.scratch, args.layers, device))]
+    steps = [("engine", lambda: engine_bench(args.scratch, args.layers, device)),
+             ("1-rank", lambda: single_rank(args.scratch, device))]
     if args.int4:
         steps.append(("int4", lambda: int4_bench(args.scratch, device)))
     if not args.engine_only:

@@ -18,6 +18,7 @@ from .formats import FORMAT_BITS, WeightFormat, unit_bytes
 from .hardware import HardwareProfile, load_profile, probe, save_profile
 from .plan import ModelShape, Plan, PlanOptions, load_model_spec, model_shape, plan
 from .report import WhatIf, plan_json, plan_text
+from .split_report import add_split_arguments, cmd_split
 
 DEFAULT_PROFILE = "rtx4070-12gb"
 PLAN_EXAMPLES = """examples:
@@ -80,6 +81,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan placement and predict decode speed from config.json alone",
                               epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_arguments(p)
+    add_split_arguments(p)
     _common(p)
     p.set_defaults(func=cmd_plan)
     return p
@@ -147,6 +149,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if getattr(args, "ranks", None):  # the layers split over pipeline ranks
+        return cmd_split(args, DEFAULT_PROFILE)
     p, ifs = build_plan(args)
     print(json.dumps(plan_json(p, ifs), indent=2) if args.json else plan_text(p, ifs))
     return 0

@@ -64,17 +64,19 @@ def linear_state_bytes(spec: ModelSpec, itemsize: int, rollback: int = 0) -> int
 
 
 def kv_bytes(spec: ModelSpec, positions: int, itemsize: int, *, mtp_layers: int = 0,
-             mtp_positions: int | None = None, rollback: int = 0, kv_dtype: str = "auto") -> int:
+             mtp_positions: int | None = None, rollback: int = 0, kv_dtype: str = "auto",
+             layers: range | None = None) -> int:
     """Per-sequence state for `positions`: every attention layer's KV (stored as `kv_dtype`), each linear-attention
     layer's fixed state (with `rollback` logs; always the compute dtype), and `mtp_layers` MTP layers' own caches of
     `mtp_positions` (default `positions`) entries each. A sliding-window layer (gpt-oss) is charged every position:
     runtime/kv_cache.py keeps a full-length cache for it and masks to the window (a ring buffer of `sliding_window`
-    entries would save the rest)."""
+    entries would save the rest). layers: only these decoder layers (a pipeline stage's, checkpoint/stage.py);
+    None: all."""
     per_token = layer_kv_bytes_per_token(spec, itemsize, kv_dtype)
     # MLA (DeepSeek): every layer caches its latent, whatever else the config says
     types = ["full_attention"] * spec.num_layers if spec.get("kv_lora_rank") else layer_types(spec)
     total = 0
-    for t in types:
+    for t in (types if layers is None else [types[l] for l in layers]):
         if t in ("full_attention", "sliding_attention"):
             total += per_token * positions
         else:

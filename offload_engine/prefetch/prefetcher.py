@@ -137,9 +137,12 @@ ROUTE_AHEAD_TOKENS = 16
 
 class Prefetcher:
     def __init__(self, store, predictor: ExpertPredictor, moe_layers: list[int], num_layers: int,
-                 config: PrefetchConfig):
+                 config: PrefetchConfig, first_layer: int = 0):
+        """num_layers: the end of the layers this store holds; first_layer: their start (a pipeline stage's
+        layers, checkpoint/stage.py; 0 and the model's layer count otherwise)."""
         self.store, self.predictor, self.config = store, predictor, config  # config.slots: the store's own quota
         self.moe_layers, self.num_layers = sorted(moe_layers), num_layers
+        self.first_layer = first_layer
         self.metrics = PrefetchMetrics()
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for it, not yet routed
         self._ahead: dict[int, set[int]] = {}  # layer -> experts its routing computed ahead named (routed_ahead)
@@ -153,7 +156,7 @@ class Prefetcher:
     def after_attention(self, layer: int, x: torch.Tensor) -> None:
         if not self.config.enabled:
             return
-        if layer == 0:
+        if layer == self.first_layer:
             self._forward_ticks = (self._forward_ticks[1], self.store.tick)
             if self.pay is not None:
                 self.expert_prefetch = self.pay.forward_started(x.shape[0])

@@ -161,6 +161,10 @@ class KVCache:
             raise ValueError("a step log needs the replay function that consumes it")
         self._pending[layer] = (state, log, replay)
 
+    def can_rewind(self, position: int) -> bool:
+        """Whether trim / keep may bring the cache back to `position` (every recurrent layer can reach it)."""
+        return 0 <= position <= self.length and all(h.reachable(position) for h in self._states.values())
+
     def _restore_states(self, position: int) -> None:
         """Rewind every recurrent layer to `position`, or change nothing and raise if one cannot."""
         self._pending.clear()

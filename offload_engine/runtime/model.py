@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
+from ..checkpoint.stage import Stage
 from ..constants import PREFILL_CHUNK
 from ..errors import BudgetError, out_of_memory_as_error
 from .arch import build_ops
@@ -26,13 +27,16 @@ class CausalLM:
     def __init__(self, checkpoint: ModelCheckpoint, source: WeightSource, device: torch.device, dtype: torch.dtype,
                  max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, *, ops: LayerOps | None = None,
                  prefetcher: Any = None, host_compute: HostCompute | None = None,
-                 routing_trace: list[tuple[int, list[list[int]]]] | None = None, kv_dtype: str = "auto"):
+                 routing_trace: list[tuple[int, list[list[int]]]] | None = None, kv_dtype: str = "auto",
+                 stage: Stage | None = None):
         """ops: the architecture's layer ops for this device and dtype (built from the checkpoint when None);
         prefetcher: a prefetch.Prefetcher reading the next layers' units while one computes, where weights stream
         (not imported here: prefetch/ builds on the store, which builds on runtime/weights.py); host_compute:
         which experts the CPU computes where they lie in RAM; routing_trace: a list every MoE layer's routing is
         appended to, as (layer, [experts per token]) (tools/trace_experts.py); kv_dtype: how its caches store
-        attention entries (modes.KV_DTYPES, kv_storage.py)."""
+        attention entries (modes.KV_DTYPES, kv_storage.py); stage: the decoder layers this model runs, one rank's
+        part of a pipeline (distributed/pipeline.py drives `embed`, `run_layers` and `head` across ranks); None:
+        all of them."""
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
@@ -40,6 +44,8 @@ class CausalLM:
         self.ops = ops if ops is not None else build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
+        self.stage = stage
+        self.layers = stage.layers if stage is not None else range(self.num_layers)
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
         self.prefill_chunk = prefill_chunk  # a longer causal run goes through this many tokens per forward_once
         self.prefetcher = prefetcher
@@ -115,10 +121,31 @@ class CausalLM:
             positions = torch.arange(cache.length, cache.length + T, device=self.device)
         if mask is None:
             mask = causal_mask(positions, cache.length + T)
+        x = self.run_layers(self.embed(tokens), positions, cache, mask)
+        if last_only:
+            x = x[-1:]
+        logits = self.head(x)
+        if self.prefetcher is not None:
+            self.prefetcher.forward_finished()
+        cache.advance(T)
+        return (logits, x) if return_hidden else logits
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> their embeddings [T, H] (the first stage's input)."""
+        return lookup(self.source, UnitKey(-1, "embed"), tokens, self.ops.embed)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last decoder layer's output [T, H] -> float32 logits [T, V] (final norm and lm_head)."""
+        with self._unit(UnitKey(self.num_layers, "head")) as w:
+            return self.ops.logits(w, x)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
+                   ) -> torch.Tensor:
+        """This model's decoder layers (`self.layers`) over the residual stream x [T, H]; the cache is advanced by
+        the caller, once every layer of the forward has appended to it."""
         ops = self.ops
-        x = lookup(self.source, UnitKey(-1, "embed"), tokens, ops.embed)
         prefetcher = self.prefetcher
-        for layer in range(self.num_layers):
+        for layer in self.layers:
             with self._unit(UnitKey(layer, "dense")) as w:
                 x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
                 after_attention = x
@@ -131,14 +158,7 @@ class CausalLM:
                     x = x + ops.dense_mlp(layer, w, h)
                 if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
                     self._previous[layer] = (after_attention[-1:].clone(), x[-1:].clone())  # not views of [T, H]
-        if last_only:
-            x = x[-1:]
-        with self._unit(UnitKey(self.num_layers, "head")) as w:
-            logits = ops.logits(w, x)
-        if prefetcher is not None:
-            prefetcher.forward_finished()
-        cache.advance(T)
-        return (logits, x) if return_hidden else logits
+        return x
 
     def moe(self, layer: int, w: Weights, h: torch.Tensor, ahead: Callable[[torch.Tensor], None] | None = None,
             *, trunk: bool = True) -> torch.Tensor:
@@ -212,7 +232,7 @@ class CausalLM:
         after every layer's experts instead read more and hid less in A/B runs: docs/PERF.md)."""
         prefetcher, previous = self.prefetcher, self._previous
         ahead = prefetcher.routes_ahead(x.shape[0]) if prefetcher is not None else 0
-        targets = [n for n in range(layer + 1, min(layer + 1 + ahead, self.num_layers))
+        targets = [n for n in range(layer + 1, min(layer + 1 + ahead, self.layers.stop))
                    if self.ops.is_moe(n) and n in previous]
         if not targets or layer not in previous:
             return None

@@ -36,7 +36,11 @@ def build_drafters(spec: str, model: Any, cache: Any, *, draft: Any = None, stor
         draft_tok = draft_tokenizer if draft_tokenizer is not None else getattr(draft, "tokenizer", None)
         check_same_vocabulary(tokenizer, draft_tok, model.vocab_size, draft_model.vocab_size)
         out.append(DraftModelDrafter(draft_model, capacity + max_depth + 1, model.vocab_size))
-    if spec == "self" or (spec == "auto" and with_self and has_experts and store is not None):
+    whole = getattr(model, "stage", None) is None  # the self drafter runs every layer: not a pipeline stage's
+    if spec == "self" or (spec == "auto" and with_self and has_experts and whole and store is not None):
+        if not whole:
+            raise ConfigError("--spec self runs every layer of the target on one rank: not available with the "
+                              "layers split across ranks (--devices, torchrun)")
         if not has_experts:
             raise ConfigError("--spec self drafts with the target's resident routed experts: it needs a mixture-of-"
                               "experts model (this one has no routed experts)")
