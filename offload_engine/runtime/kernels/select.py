@@ -77,6 +77,8 @@ class Kernels:
         out = []
         itemsize = torch.empty((), dtype=dtype).element_size()
         for local, q in quantized(views):
+            if q.kind.startswith("gguf"):  # no kernel form: dequantized where used (runtime/gguf_dequant.py)
+                continue
             device = views[part_name(local, "scale")].device
             path = path_for(q, device)
             if path is not None:
