@@ -340,7 +340,8 @@ class CheckpointIndex:
     def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
         root = Path(path)
         if not root.is_dir():
-            raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors)")
+            raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors, "
+                                        "or a .gguf file)")
         config = load_json(root / "config.json", "config.json")
         shard_paths, weight_map, index_path = cls._find_shards(root)
         shards: list[ShardInfo] = []

@@ -149,3 +149,23 @@ def _deepseek(m: _Meta, g: GGUFFile, heads: int) -> dict[str, Any]:
             "n_group": int(m.get("expert_group_count", 1)), "topk_group": int(m.get("expert_group_used_count", 1)),
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
             "num_nextn_predict_layers": 0}
+
+
+def file_format(g: GGUFFile) -> tuple[str, str | None]:
+    """(dtype, nearest --weights what-if or None) of the file's general.file_type, for the planner, which sizes
+    a model from its config: F32/F16/BF16 files as such, Q8_0 as int8, the 4-6 bit types as int4 (an estimate:
+    `run` places the units by the file's real bytes)."""
+    from gguf import LlamaFileType
+
+    raw = g.get("general.file_type")
+    try:
+        name = LlamaFileType(raw).name if raw is not None else "ALL_F32"
+    except ValueError:
+        name = "UNKNOWN"
+    if name.endswith("BF16"):
+        return "bfloat16", None
+    if name.endswith("F16"):
+        return "float16", None
+    if name.endswith("F32"):
+        return "float32", None
+    return "bfloat16", "int8" if "Q8" in name else "int4"
