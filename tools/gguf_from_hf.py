@@ -28,8 +28,10 @@ ARCH = {"llama": "LLAMA", "mixtral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"
         "qwen3_moe": "QWEN3MOE", "deepseek_v3": "DEEPSEEK2"}
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 RANDOM_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-# offsets of the f16 scale fields in each random-block type (set to small values so the weights stay finite)
-SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+# offsets of the f16 scale fields of each random-block type, and the range drawn for them: the decoded weights
+# come out ~0.05 in magnitude (as the source models'), so a random model still has varied greedy output
+SCALE_FIELDS = {"Q4_K": ((0, 2), (1e-4, 4e-4)), "Q5_K": ((0, 2), (5e-5, 2e-4)), "Q6_K": ((208,), (3e-5, 1e-4)),
+                "IQ4_XS": ((0,), (1e-4, 4e-4))}
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -183,16 +185,22 @@ def _encode(t: np.ndarray, gtype: str, rng: np.random.Generator) -> tuple[np.nda
         return gguf.quants.quantize(t.astype(np.float32), qt), qt
     per, size = gguf.GGML_QUANT_SIZES[qt]
     blocks = rng.integers(0, 256, size=(t.size // per, size), dtype=np.uint8)
-    for at in SCALE_FIELDS[gtype]:  # small positive f16 scales: finite weights of a usable magnitude
-        blocks[:, at:at + 2] = (rng.uniform(0.002, 0.02, size=(blocks.shape[0], 1))
-                                .astype(np.float16).view(np.uint8))
+    fields, (lo, hi) = SCALE_FIELDS.get(gtype, ((), (0, 0)))
+    for at in fields:  # small positive f16 scales: finite weights of a usable magnitude
+        blocks[:, at:at + 2] = rng.uniform(lo, hi, size=(blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if gtype in ("Q4_K", "Q5_K"):  # each sub-block's min equal to its scale and dmin = d x mid-level: zero mean
+        blocks[:, 8:12] = blocks[:, 4:8]
+        blocks[:, 12:16] = (blocks[:, 12:16] & 0x0F) * 0x11
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        blocks[:, 2:4] = (d * (7.5 if gtype == "Q4_K" else 15.5)).astype(np.float16).view(np.uint8)
     return blocks.reshape(*t.shape[:-1], t.shape[-1] // per * size), qt
 
 
 def write_gguf(folder: str | Path, out: str | Path, gtype: str = "F32", split_tensors: int = 0,
-               seed: int = 0) -> list[Path]:
-    """Write `folder` as GGUF: matrices (ndim >= 2, not the embedding unless gtype is plain) in `gtype`, the
-    rest in F32 as llama.cpp keeps them. Returns the files written."""
+               seed: int = 0, override: dict[str, str] | None = None) -> list[Path]:
+    """Write `folder` as GGUF: matrices whose rows are whole blocks in `gtype`, the rest in F32 as llama.cpp keeps
+    them; `override` gives some GGUF tensors another type (any ggml type: the bad-input tests write types the
+    engine refuses, as random bytes). Returns the files written."""
     import gguf
 
     folder, out = Path(folder), Path(out)
@@ -218,6 +226,7 @@ def write_gguf(folder: str | Path, out: str | Path, gtype: str = "F32", split_te
             raise ValueError(f"no GGUF name for {name}")
         kind = gtype if t.ndim >= 2 and t.shape[-1] % 32 == 0 and (
             gtype not in RANDOM_BLOCKS or t.shape[-1] % 256 == 0) else "F32"
+        kind = (override or {}).get(mapped + suffix, kind)
         data, qt = _encode(t.numpy(), kind, rng)
         w.add_tensor(mapped + suffix, data, raw_dtype=qt)
     w.write_header_to_file()
