@@ -7,11 +7,12 @@ the per-frequency divisors, read here: a few hundred bytes).
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointFormatError, ConfigError
+from ...errors import CheckpointFormatError, ConfigError, OffloadEngineError
 from .reader import GGUFFile
 
 # general.architecture -> the engine's model_type (llama with experts is Mixtral, as llama.cpp writes it)
@@ -90,6 +91,15 @@ def _dense_layers(g: GGUFFile, layers: int) -> list[int]:
 
 def build_config(g: GGUFFile) -> dict[str, Any]:
     """config.json fields for `g`'s architecture, from its metadata and tensor names."""
+    try:
+        return _build(g)
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+        if isinstance(e, OffloadEngineError):
+            raise
+        raise CheckpointFormatError(g.path, f"metadata of the wrong type or shape ({type(e).__name__}: {e})") from None
+
+
+def _build(g: GGUFFile) -> dict[str, Any]:
     mt, m = model_type(g), _Meta(g)
     embd = g.tensors.get("token_embd.weight")
     if embd is None:
@@ -110,6 +120,7 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
         cfg["head_dim"] = int(m.get("attention.key_length"))
     if rope := _rope(m, g):
         cfg["rope_scaling"] = rope
+    _check_counts(g, m, layers, hidden, embd)
     bias = _has(g, ".attn_q.bias")
     cfg["attention_bias"] = bias
     experts = int(m.get("expert_count", 0))
@@ -126,6 +137,23 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
     elif mt == "deepseek_v3":
         cfg.update(_deepseek(m, g, heads))
     return cfg
+
+
+def _check_counts(g: GGUFFile, m: _Meta, layers: int, hidden: int, embd) -> None:
+    """The counts the schema loops over agree with the tensors (a corrupt block_count or expert_count would
+    otherwise describe billions of units)."""
+    seen = {int(x.group(1)) for name in g.tensors if (x := re.match(r"blk\.(\d+)\.", name))}
+    if layers != (max(seen) + 1 if seen else 0):
+        raise CheckpointFormatError(g.path, f"{m.arch}.block_count={layers} but the tensors are of "
+                                            f"{max(seen) + 1 if seen else 0} blocks")
+    if embd.shape[-1] != hidden or len(embd.shape) != 2:
+        raise CheckpointFormatError(g.path, f"token_embd.weight {list(embd.shape)} disagrees with "
+                                            f"{m.arch}.embedding_length={hidden}", tensor=embd.name)
+    experts, used = int(m.get("expert_count", 0)), int(m.get("expert_used_count", 0))
+    fused = [t for name, t in g.tensors.items() if name.endswith("ffn_gate_exps.weight")]
+    if (experts or fused) and (not fused or any(t.shape[0] != experts for t in fused) or not 0 < used <= experts):
+        raise CheckpointFormatError(g.path, f"{m.arch}.expert_count={experts} (used {used}) disagrees with the "
+                                            f"expert tensors ({[list(t.shape) for t in fused[:2]]})")
 
 
 def _deepseek(m: _Meta, g: GGUFFile, heads: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ...errors import CheckpointError, CheckpointFormatError
 from ..index import ShardInfo, _open_regular
+from .prescan import prescan
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -86,6 +87,12 @@ def _check_magic(path: Path) -> ShardInfo:
     return ShardInfo(path, st.st_size, 0, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
+def _known_types() -> dict[int, str]:
+    from gguf import GGMLQuantizationType
+
+    return {t.value: t.name for t in GGMLQuantizationType}
+
+
 def _parse(path: Path):
     from gguf import GGUFReader  # imported here: the package is needed only for GGUF files
 
@@ -104,12 +111,15 @@ def _parse(path: Path):
         raise CheckpointFormatError(path, f"malformed GGUF header ({type(e).__name__}: {e})") from None
 
 
-def _value(field) -> Any:
+def _value(path: Path, key: str, field) -> Any:
     from gguf import GGUFValueType
 
     if not field.types:
         return None
-    value = field.contents()
+    try:
+        value = field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:
+        raise CheckpointFormatError(path, f"metadata key {key!r} unreadable ({type(e).__name__}: {e})") from None
     if field.types[0] == GGUFValueType.FLOAT32:  # float32 in the file: keep its shortest decimal (1e-06)
         value = float(f"{value:.7g}")
     return value
@@ -149,8 +159,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     shards = []
     for i, file in enumerate(files):
         shard = _check_magic(file)
+        prescan(file, _known_types())
         reader = _parse(file)
-        meta = {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        meta = {k: _value(file, k, f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         count = meta.get("split.count", 1)
         if len(files) > 1 and (count != len(files) or meta.get("split.no") != i):
             raise CheckpointFormatError(file, f"split metadata says part {meta.get('split.no')} of {count}, "
