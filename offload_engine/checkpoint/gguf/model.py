@@ -115,6 +115,9 @@ class _Builder:
             return self.spec.num_heads
         if hf_name.endswith("self_attn.k_proj.weight"):
             return self.spec.num_kv_heads
+        if hf_name.endswith(("self_attn.q_proj.bias", "self_attn.k_proj.bias")):  # permuted like their weights
+            raise ConfigError(f"{self.g.path}: q/k attention biases of a {self.spec.model_type} GGUF (permuted by "
+                              f"llama.cpp's converter) are not supported yet")
         return 0
 
     def kv_b(self, key: UnitKey, local: str, ts: TensorSpec, name: str) -> dict[str, TensorSpec]:
