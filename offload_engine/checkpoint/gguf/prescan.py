@@ -68,9 +68,10 @@ class _Walk:
             raise self.fail(f"metadata key {key!r} has unknown value type {vtype}")
 
 
-def prescan(path: Path, known_types: dict[int, str]) -> None:
-    """Check the header of `path` (magic and counts already checked) against its size; `known_types`: ggml type
-    id -> name."""
+def prescan(path: Path, known_types: dict[int, tuple[str, int, int]]) -> None:
+    """Check the header of `path` (magic and counts already checked) against its size, and every tensor's data
+    range (inside the file, aligned, not overlapping another); `known_types`: ggml type id -> (name, values per
+    block, bytes per block)."""
     with open(path, "rb") as f:
         if not f.seek(0, 2):
             raise CheckpointFormatError(path, "empty file")
@@ -78,9 +79,17 @@ def prescan(path: Path, known_types: dict[int, str]) -> None:
             w = _Walk(path, buf)
             w.take(8, "header")
             n_tensors, n_kv = w.u("<Q", "tensor count"), w.u("<Q", "key count")
+            align = 32
             for _ in range(n_kv):
                 key = w.string("metadata key")
-                w.value(w.u("<I", f"type of {key}"), key)
+                vtype = w.u("<I", f"type of {key}")
+                if key == "general.alignment" and vtype == 4:
+                    align = w.u("<I", key)
+                    if align == 0 or align & (align - 1):
+                        raise w.fail(f"general.alignment {align} is not a power of two")
+                    continue
+                w.value(vtype, key)
+            spans = []
             for _ in range(n_tensors):
                 name = w.string("tensor name")
                 n_dims = w.u("<I", "dimension count")
@@ -92,5 +101,29 @@ def prescan(path: Path, known_types: dict[int, str]) -> None:
                 gtype = w.u("<I", "tensor type")
                 if gtype not in known_types:
                     raise w.fail(f"unknown tensor type {gtype}", name)
-                w.take(8, "tensor data offset", name)
+                _, per, size = known_types[gtype]
+                numel = 1
+                for d in dims:
+                    numel *= d
+                if dims[0] % per:
+                    raise w.fail(f"{dims[0]} values per row are not whole {known_types[gtype][0]} blocks", name)
+                spans.append((w.u("<Q", "tensor data offset"), numel // per * size, name))
+            start = -(-w.pos // align) * align
             del w
+        _check_spans(path, spans, start, f.seek(0, 2), align)
+
+
+def _check_spans(path: Path, spans: list, start: int, size: int, align: int) -> None:
+    """Tensor data ranges (relative to the aligned data start) inside the file, aligned, not overlapping."""
+    for offset, nbytes, name in spans:
+        if offset % align:
+            raise CheckpointFormatError(path, f"data offset {offset} is not a multiple of the alignment {align}",
+                                        tensor=name)
+        if start + offset + nbytes > size:
+            raise CheckpointFormatError(path, f"file truncated: byte range [{start + offset}, {start + offset + nbytes})"
+                                              f" is past the end ({size} bytes)", tensor=name,
+                                        hint=f"re-download {path.name}")
+    ordered = sorted(spans)
+    for (b0, e0, n0), (b1, _, n1) in zip(ordered, ordered[1:]):
+        if b1 < b0 + e0:
+            raise CheckpointFormatError(path, f"byte range starting at {start + b1} overlaps tensor '{n0}'", tensor=n1)

@@ -87,10 +87,10 @@ def _check_magic(path: Path) -> ShardInfo:
     return ShardInfo(path, st.st_size, 0, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
-def _known_types() -> dict[int, str]:
-    from gguf import GGMLQuantizationType
+def _known_types() -> dict[int, tuple[str, int, int]]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return {t.value: t.name for t in GGMLQuantizationType}
+    return {t.value: (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 
 
 def _parse(path: Path):
