@@ -333,3 +333,29 @@ def test_header_fuzz_raises_only_our_errors(good, tmp_path):
         except (CheckpointError, ConfigError):
             pass
         assert time.perf_counter() - start < 2.0, trial
+
+
+@pytest.mark.parametrize("arch,preset,gtype,fast", [("llama", "tiny", "Q4_0", True), ("qwen3_moe", "tiny", "Q4_0", True),
+                                                    ("qwen3", "small", "Q4_K", True), ("qwen3", "small", "Q6_K", False),
+                                                    ("qwen3_moe", "tiny", "Q8_0", False)])
+def test_cpu_int4_kernel_matches_dequantize(checkpoint_factory, tmp_path, arch, preset, gtype, fast):
+    """Q4_0 / Q4_K weights take the CPU int4 kernel (repacked once, charged to the budget; Llama's permuted q/k
+    rows put back in order): float32 logits within 1e-5 x max|logit| of dequantize-then-multiply, greedy
+    identical; the other types stay on the dequantize path, bit for bit."""
+    from offload_engine.store.tier import Prepared
+
+    (path,) = write_gguf(checkpoint_factory(arch, preset), tmp_path / f"{gtype}.gguf", gtype)
+    out = {}
+    for kernels in ("dequantize", "auto"):
+        with Engine.open(path, dtype="float32", kernels=kernels, max_context=PROMPT_LEN + NEW_TOKENS) as engine:
+            ids = prompt(engine.model.vocab_size)
+            tokens = engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+            charged = sum(a.items.get(Prepared.WHAT, 0) for a in engine.store.ledger.accounts.values())
+            out[kernels] = engine.logits(ids), tokens, charged
+    (ref, ref_tokens, none), (got, tokens, charged) = out["dequantize"], out["auto"]
+    assert none == 0 and (charged > 0) == fast
+    scale, diff = ref.abs().max().item(), (got - ref).abs().max().item()
+    assert diff <= 1e-5 * scale, f"max |diff| {diff:.3g} > 1e-5 x max|logit| {scale:.3g}"
+    assert tokens == ref_tokens
+    if not fast:
+        assert torch.equal(got, ref)

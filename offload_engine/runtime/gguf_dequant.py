@@ -146,6 +146,31 @@ def kv_b(k_b: torch.Tensor, v_b: torch.Tensor, q: QuantSpec, dtype: torch.dtype)
     return torch.cat((k, v), dim=1).reshape(q.out, rank).to(dtype)
 
 
+INT4_TYPES = ("Q4_0", "Q4_K")  # 4-bit values with one scale and one offset per 32: the CPU int4 kernel's form
+
+
+def int4_parts(data: torch.Tensor, q: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_K weight as the CPU int4 kernel reads it (runtime/kernels/cpu_int.py): u [out, in] in 0..15,
+    and per 32 inputs a scale s and a term t [out, in / 32] with W = (u - 8) * s + t, exactly:
+      Q4_0  W = d * (u - 8)                   s = d,       t = 0
+      Q4_K  W = (d * sc) * u - dmin * m       s = d * sc,  t = 8 * s - dmin * m
+    Rows llama.cpp permuted (q.heads) are put back in order."""
+    b = data.reshape(-1, BLOCKS[q.gtype][1])
+    n = b.shape[0]
+    if q.gtype == "Q4_0":
+        u = _nibbles(b[:, 2:], 1, 16).reshape(n, 32)
+        s = _f16(b[:, :2])
+        t = torch.zeros_like(s)
+    else:
+        s, dm = _k_scales(b)  # [n, 8, 1]
+        u = _nibbles(b[:, 16:], 4, 32).reshape(n, 8, 32)
+        s, t = s.reshape(n, 8), 8 * s.reshape(n, 8) - dm.reshape(n, 8)
+    u, s, t = u.reshape(q.out, q.inp), s.reshape(q.out, -1), t.reshape(q.out, -1)
+    if q.heads:
+        u, s, t = (unpermute(x, q.heads) for x in (u, s, t))
+    return u.to(torch.int32), s, t
+
+
 def rows(data: torch.Tensor, tokens: torch.Tensor, q: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
     """An embedding lookup on a table stored in a GGUF type: only the looked-up rows are decoded."""
     picked = data.index_select(0, tokens.reshape(-1).long())

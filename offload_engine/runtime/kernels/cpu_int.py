@@ -28,7 +28,7 @@ import sys
 import torch
 
 from ...checkpoint.formats import QuantSpec
-from .. import dequant
+from .. import dequant, gguf_dequant
 
 INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
 F32 = torch.float32
@@ -42,6 +42,9 @@ def available() -> bool:
 def int4_group(q: QuantSpec) -> int | None:
     """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
     strategies): the largest kernel size dividing it (scales repeated), or None."""
+    if q.kind == "gguf":  # Q4_0 / Q4_K: a scale and an offset per 32 inputs (gguf_dequant.int4_parts)
+        ok = q.gtype in gguf_dequant.INT4_TYPES and not q.out % 16 and not q.inp % 32
+        return 32 if ok else None
     span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
     if q.out % 16 or q.inp % 2:
         return None
@@ -67,11 +70,14 @@ def repack_int4(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torc
     """(packed uint8 [N, K/2], sz [K/g, N, 2]) for a 4-bit weight, or None where the kernel does not apply.
     parts: data, scale, zero (None if absent), g_idx (None if absent)."""
     kg = int4_group(q)
-    if q.bits != 4 or kg is None:
+    if (q.bits != 4 and q.kind != "gguf") or kg is None:
         return None
     data, scale, zero = parts["data"], parts["scale"], parts["zero"]
     group = q.inp if q.strategy == "channel" or q.group == 0 else q.group
-    if q.kind == "ct_pack" and q.strategy in ("group", "channel"):
+    if q.kind == "gguf":
+        u, scale, term = gguf_dequant.int4_parts(data, q)
+        group = 32
+    elif q.kind == "ct_pack" and q.strategy in ("group", "channel"):
         u = dequant.unpack_int32(data, 4, dim=1)[:, :q.inp]  # stored value + 8: the kernel's q
         scale = scale.to(F32).reshape(q.out, -1)
         term = None

@@ -44,6 +44,9 @@ def quantized(views: Mapping[str, torch.Tensor]) -> list[tuple[str, QuantSpec]]:
 
 def path_for(q: QuantSpec, device: torch.device) -> str | None:
     """The fast path a weight stored as `q` takes on `device`, or None (dequantize)."""
+    if q.kind.startswith("gguf"):  # Q4_0 / Q4_K on the CPU; the other GGUF types are dequantized
+        ok = q.kind == "gguf" and device.type == "cpu" and cpu_int.available() and cpu_int.int4_group(q) is not None
+        return "cpu_int4" if ok else None
     if device.type == "cpu":
         if not cpu_int.available():
             return None
@@ -77,9 +80,7 @@ class Kernels:
         out = []
         itemsize = torch.empty((), dtype=dtype).element_size()
         for local, q in quantized(views):
-            if q.kind.startswith("gguf"):  # no kernel form: dequantized where used (runtime/gguf_dequant.py)
-                continue
-            device = views[part_name(local, "scale")].device
+            device = next(v for k, v in views.items() if k.startswith(local + PRIMARY)).device
             path = path_for(q, device)
             if path is not None:
                 nbytes = _cpu_bytes(q, path, itemsize) if path.startswith("cpu") else 0
@@ -94,7 +95,7 @@ class Kernels:
         unused = 0
         for p in planned:
             data = next(v for k, v in views.items() if k.startswith(p.local + PRIMARY))
-            parts = {"data": data, "scale": views[part_name(p.local, "scale")],
+            parts = {"data": data, "scale": views.get(part_name(p.local, "scale")),
                      "zero": views.get(part_name(p.local, "zero")), "g_idx": views.get(part_name(p.local, "g_idx"))}
             got = _build(p, parts, dtype)
             if got is None:
