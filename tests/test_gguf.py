@@ -176,7 +176,8 @@ def test_dequantize_is_bit_identical_to_the_gguf_package(gtype):
     per, size = gguf.GGML_QUANT_SIZES[qt]
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, size=(40, 3 * size), dtype=np.uint8)
-    ref = gguf.quants.dequantize(raw, qt).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # random scales include inf and NaN
+        ref = gguf.quants.dequantize(raw, qt).astype(np.float32)
     data = torch.from_numpy(raw.copy())
     if gtype in ("F16", "BF16"):
         data = data.view(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[gtype]))

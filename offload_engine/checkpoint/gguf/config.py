@@ -107,7 +107,7 @@ def _build(g: GGUFFile) -> dict[str, Any]:
     heads, layers = int(m.need("attention.head_count")), int(m.need("block_count"))
     hidden = int(m.need("embedding_length"))
     cfg: dict[str, Any] = {
-        "model_type": mt, "vocab_size": embd.shape[0], "hidden_size": hidden, "num_hidden_layers": layers,
+        "model_type": mt, "architectures": [f"GGUF {g.get('general.architecture')}"], "vocab_size": embd.shape[0], "hidden_size": hidden, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(m.get("attention.head_count_kv", heads)),
         "intermediate_size": int(m.get("feed_forward_length", 4 * hidden)),
         "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
