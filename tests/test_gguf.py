@@ -301,9 +301,11 @@ def test_malformed_headers_are_refused_before_reading(good, field, value, messag
         assert re.search(r"blk\.\d+\.|token_embd|output", str(e.value)), str(e.value)
 
 
-def test_a_folder_error_names_gguf(tmp_path):
+def test_a_folder_error_names_gguf(tmp_path, good):
     with pytest.raises(CheckpointError, match=r"\.gguf file"):
         open_model(tmp_path / "nothing-here")
+    with pytest.raises(CheckpointError, match=r"pass the file itself: --model .*good\.gguf"):
+        open_model(good.parent)
 
 
 def test_absurd_string_length_is_refused(good):
