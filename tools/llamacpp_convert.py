@@ -13,7 +13,6 @@ The converter and its `gguf-py` are imported from the sdist folder, so the conve
 """
 from __future__ import annotations
 
-import runpy
 import sys
 from pathlib import Path
 
@@ -43,8 +42,10 @@ def main(argv: list[str]) -> int:
 
     base.TextModel.get_vocab_base_pre = vocab_pre
     base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+    import convert_hf_to_gguf  # noqa: E402  (the sdist's script, a module on the path above)
+
     sys.argv = [str(script), *argv[2:]]
-    runpy.run_path(str(script), run_name="__main__")
+    convert_hf_to_gguf.main()
     return 0
 
 
