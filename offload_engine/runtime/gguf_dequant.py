@@ -1,7 +1,7 @@
 """GGUF tensor types -> float32, vectorised torch on the weights' device (checkpoint/gguf/ maps the tensors).
 
 Each block decoder follows ggml's definition, in the operation order of the `gguf` package's own numpy
-dequantizer (gguf/quants.py), so the results are bit-identical to it (tests/test_gguf_quants.py):
+dequantizer (gguf/quants.py), so the results are bit-identical to it (tests/test_gguf.py):
 
   Q8_0    34-byte blocks of 32: f16 d, 32 int8;                     x = q * d
   Q4_0    18-byte blocks of 32: f16 d, 16 bytes (low nibbles = 0..15); x = d * (q - 8)
