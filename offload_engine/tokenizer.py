@@ -28,6 +28,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
+from .checkpoint.gguf.reader import is_gguf
+from .checkpoint.gguf.tokenizer import gguf_tokenizer_fields
 from .errors import CheckpointError, ConfigError
 from .tokenizer_tiktoken import TIKTOKEN_FILE, TiktokenBackend, has_tiktoken
 
@@ -146,7 +148,7 @@ class Tokenizer:
         """The folder's tokenizer, or None when it has no tokenizer file (TOKENIZER_FILES): a checkpoint
         without one still runs from token ids."""
         folder = Path(folder)
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if not is_gguf(folder) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
             return None
         return cls(folder)
 
@@ -206,7 +208,9 @@ class Tokenizer:
 
 
 def _load_folder(folder: Path) -> dict[str, Any]:
-    """Everything `Tokenizer._setup` needs, read from the checkpoint folder's files."""
+    """Everything `Tokenizer._setup` needs, read from the checkpoint folder's files (or a GGUF file's metadata)."""
+    if is_gguf(folder):
+        return gguf_tokenizer_fields(folder)
     tok_path = folder / "tokenizer.json"
     if not tok_path.is_file() and not has_tiktoken(folder):
         raise CheckpointError(tok_path, f"tokenizer.json not found (nor {TIKTOKEN_FILE})",

@@ -31,7 +31,8 @@ F8 = ("F8_E4M3",)
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one weight [out, in] is stored. kind: fp8_block | ct_pack | ct_naive | gptq | awq | mxfp4."""
+    """How one weight [out, in] is stored. kind: fp8_block | ct_pack | ct_naive | gptq | awq | mxfp4 | gguf |
+    gguf_kvb (checkpoint/gguf/formats.py)."""
 
     kind: str
     out: int
@@ -43,6 +44,9 @@ class QuantSpec:
     symmetric: bool = True
     float_values: bool = False  # CT float-quantized (fp8 values)
     zero_offset: int = 0  # gptq v1 stores zero - 1
+    gtype: str = ""  # gguf: the GGUF tensor type of the data (F32, Q4_K, ...)
+    gtype2: str = ""  # gguf_kvb: the type of the second part (v_b)
+    heads: int = 0  # gguf: rows permuted by llama.cpp's rope permutation over this many heads (0: none)
 
     @property
     def tag(self) -> str:
@@ -68,7 +72,7 @@ def decode(tag: str) -> QuantSpec:
             kw[name] = value == "1"
         elif isinstance(default, tuple):
             kw[name] = tuple(int(x) for x in value.split("x"))
-        elif name == "kind" or name == "strategy":
+        elif name in ("kind", "strategy", "gtype", "gtype2"):
             kw[name] = value
         else:
             kw[name] = int(value)
@@ -287,7 +291,8 @@ def format_summary(found: Mapping[str, QuantSpec]) -> str:
     """e.g. 'fp8_block 128x128 (94 weights)' for inspect-style output."""
     kinds: dict[str, int] = {}
     for q in found.values():
-        label = q.kind + (f" {q.bits}-bit" if q.kind not in ("fp8_block", "mxfp4") else "")
+        label = (f"gguf {q.gtype}" if q.kind.startswith("gguf")
+                 else q.kind + (f" {q.bits}-bit" if q.kind not in ("fp8_block", "mxfp4") else ""))
         kinds[label] = kinds.get(label, 0) + 1
     return ", ".join(f"{k} ({n} weights)" for k, n in sorted(kinds.items())) or "none"
 

@@ -340,7 +340,12 @@ class CheckpointIndex:
     def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
         root = Path(path)
         if not root.is_dir():
-            raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors)")
+            raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors, "
+                                        "or a .gguf file)")
+        ggufs = sorted(p.name for p in root.glob("*.gguf"))
+        if ggufs and not (root / "config.json").exists():
+            raise CheckpointError(root, f"no config.json, but GGUF files: {', '.join(ggufs[:3])}",
+                                  hint=f"pass the file itself: --model {root / ggufs[0]}")
         config = load_json(root / "config.json", "config.json")
         shard_paths, weight_map, index_path = cls._find_shards(root)
         shards: list[ShardInfo] = []

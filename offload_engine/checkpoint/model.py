@@ -4,18 +4,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..errors import CheckpointFormatError
 from .arch import get_naming
-from .formats import QuantSpec, WeightFormats, quantize_schema
+from .formats import WeightFormats, quantize_schema
 from .hf_config import ModelSpec, parse_config
 from .index import FLOAT_DTYPES, TORCH_DTYPE_NAMES, CheckpointIndex
-from .layout import UnitLayout, build_layout
-from .naming import ModelSchema, UnitKey
-from .quant_config import QuantConfig, parse_quant_config
+from .gguf.reader import is_gguf
+from .layout import build_layout
+from .naming import ModelSchema
+from .opened import ModelCheckpoint
+from .quant_config import parse_quant_config
 
 # fused experts, plain or stored quantized (MXFP4 `_blocks`, compressed-tensors `_packed`)
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_packed)?$")
@@ -34,36 +35,13 @@ def fused_expert_layout(names: Iterable[str], num_layers: int) -> bool:
     return False
 
 
-@dataclass
-class ModelCheckpoint:
-    root: Path
-    index: CheckpointIndex
-    spec: ModelSpec
-    arch: Any  # the architecture's naming half (checkpoint/arch/): name, args, schema, mtp_schema
-    args: Any  # the architecture's ModelArgs
-    schema: ModelSchema
-    layouts: dict[UnitKey, UnitLayout]
-    fused_experts: bool
-    unused_tensors: list[str] = field(default_factory=list)
-    quant: QuantConfig | None = None  # config.json's quantization_config, parsed
-    formats: dict[str, QuantSpec] = field(default_factory=dict)  # quantized weight (checkpoint name) -> format
-
-    def unit_bytes(self, key: UnitKey) -> int:
-        return self.layouts[key].nbytes
-
-    def bytes_by_kind(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key, layout in self.layouts.items():
-            out[key.kind] = out.get(key.kind, 0) + layout.nbytes
-        return out
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(layout.nbytes for layout in self.layouts.values())
-
-
 def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelCheckpoint:
-    """Open a Hugging Face folder and check every tensor the config implies: presence, shape, dtype."""
+    """Open a Hugging Face folder (or a GGUF file: checkpoint/gguf/) and check every tensor the config implies:
+    presence, shape, dtype."""
+    if is_gguf(path):
+        from .gguf.model import open_gguf_model
+
+        return open_gguf_model(path)
     index = CheckpointIndex.open(path)
     config_path = index.root / "config.json"
     spec = parse_config(index.config, config_path)

@@ -107,7 +107,8 @@ def resolve_profile(args: argparse.Namespace) -> HardwareProfile:
     """--probe: a quick probe, reading back a scratch file in the model's folder when it is one (its disk)."""
     if getattr(args, "probe", False):
         folder = Path(args.model or ".").expanduser()
-        return probe(folder if folder.is_dir() else ".", read_bytes=256 << 20, quick=True)
+        disk = folder if folder.is_dir() else folder.parent if folder.is_file() else Path(".")  # a .gguf: its disk
+        return probe(disk, read_bytes=256 << 20, quick=True)
     return load_profile(args.hardware or DEFAULT_PROFILE)
 
 

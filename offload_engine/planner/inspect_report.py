@@ -62,6 +62,12 @@ def units_by_kind(ck: ModelCheckpoint) -> dict[str, dict[str, Any]]:
 def weight_format(ck: ModelCheckpoint) -> dict[str, Any]:
     """The checkpoint's format: its quantization method as config.json names it, what the headers hold (bits,
     groups, blocks) and how many weights are quantized."""
+    if ck.quant is None and str(ck.root).endswith(".gguf"):  # GGUF: each tensor has its own type
+        types = sorted({r.dtype if r.dtype != "U8" else "block" for r in ck.index.tensors.values()}
+                       | {q.gtype for q in ck.formats.values()} - {"block"})
+        return {"quant_method": "gguf", "description": f"GGUF ({', '.join(t for t in types if t != 'block')})",
+                "bits": [], "group_sizes": [], "blocks": [], "quantized_weights": len(ck.formats),
+                "summary": format_summary(ck.formats)}
     if ck.quant is None:
         return {"quant_method": None, "description": f"{ck.spec.dtype} (not quantized)", "bits": [],
                 "group_sizes": [], "blocks": [], "quantized_weights": 0}

@@ -18,12 +18,16 @@ from typing import Iterable
 from ..checkpoint.formats import PRIMARY, QuantSpec, decode
 
 INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
+# GGUF types of 4-bit values with one scale and one offset per 32 inputs (runtime/gguf_dequant.int4_parts)
+GGUF_INT4_TYPES = ("Q4_0", "Q4_K")
 ALIGN = 64  # each tensor carved from a slot's tail starts on this boundary
 
 
 def int4_group(q: QuantSpec) -> int | None:
     """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
     strategies): the largest kernel size dividing it (scales repeated), or None."""
+    if q.kind == "gguf":
+        return 32 if q.gtype in GGUF_INT4_TYPES and not q.out % 16 and not q.inp % 32 else None
     span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
     if q.out % 16 or q.inp % 2:
         return None
@@ -32,6 +36,8 @@ def int4_group(q: QuantSpec) -> int | None:
 
 def cpu_path(q: QuantSpec) -> str | None:
     """cpu_int4 | cpu_int8 for a weight stored as `q` that a CPU kernel takes, else None (dequantize)."""
+    if q.kind.startswith("gguf"):  # Q4_0 / Q4_K; the other GGUF types are dequantized
+        return "cpu_int4" if int4_group(q) is not None else None
     if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and int4_group(q) is not None:
         return "cpu_int4"
     if q.bits == 8 and not q.float_values and (

@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..checkpoint.arch import get_naming, supported_model_types
+from ..checkpoint.gguf.config import build_config, file_format
+from ..checkpoint.gguf.reader import is_gguf, read_gguf
 from ..checkpoint.hf_config import ModelSpec, parse_config
 from ..checkpoint.naming import ModelSchema, UnitKey
 from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..errors import ConfigError
 from . import costs, kv
-from .formats import WeightFormat, unit_bytes
+from .formats import WHAT_IF_CONFIGS, WeightFormat, unit_bytes
 from .hardware import HardwareProfile
 from .placement import Placement, place
 from .planning_only import vision_params
@@ -31,6 +33,16 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 # context alone is 0.3-0.5 GiB on recent drivers), the host process, and the activations (activation_bytes)
 DEVICE_RESERVE = int(0.75 * 2**30)
 HOST_RESERVE = 2 * 2**30  # OS, Python, torch libraries
+
+
+def gguf_model_spec(path: Path) -> ModelSpec:
+    """A GGUF file's config (checkpoint/gguf/config.py), sized as its file type's nearest format."""
+    g = read_gguf(path)
+    cfg = build_config(g)
+    cfg["dtype"], what_if = file_format(g)
+    if what_if is not None:
+        cfg["quantization_config"] = WHAT_IF_CONFIGS[what_if]
+    return parse_config(cfg, path)
 
 
 # ---- the model, from config.json alone ---------------------------------------------------------------------
@@ -52,6 +64,8 @@ def resolve_model(name_or_dir: str) -> Path:
 
 def load_model_spec(name_or_dir: str) -> ModelSpec:
     path = resolve_model(name_or_dir)
+    if is_gguf(path):
+        return gguf_model_spec(path)
     try:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -60,6 +60,8 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int) -
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(rope, dim, max_position_embeddings)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor
+        return inv_freq / torch.tensor(p["factors"], dtype=torch.float32), 1.0
     raise ConfigError(f"rope type {kind!r} is not supported; supported: default, linear, llama3, yarn")
 
 

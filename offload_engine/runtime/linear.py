@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.formats import PRIMARY, decode, part_name
-from . import dequant
+from . import dequant, gguf_dequant
 from .kernels.select import W as KERNEL_FORM
 from .kernels.select import fast_linear, kernel_dense
 
@@ -49,6 +49,10 @@ def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tens
             raise KeyError(name)
         return got
     q = decode(key[len(name) + len(PRIMARY):])
+    if q.kind == "gguf":  # GGUF block types carry their scales inside the blocks
+        return gguf_dequant.weight(w[key], q, dtype or torch.float32)
+    if q.kind == "gguf_kvb":
+        return gguf_dequant.kv_b(w[key], w[part_name(name, "vb")], q, dtype or torch.float32)
     data, scale = w[key], w[part_name(name, "scale")]
     if dtype is None:
         dtype = scale.dtype if scale.is_floating_point() else torch.float32
@@ -66,6 +70,20 @@ def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tens
     if q.kind == "mxfp4":
         return dequant.mxfp4(data, scale, q, dtype)
     raise ValueError(f"weight {name}: unknown stored format {q.kind!r}")
+
+
+def embedding(w: Weights, name: str, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """F.embedding on table `name`; a table stored in a GGUF block type decodes only the rows looked up."""
+    plain = w.get(name)
+    if plain is not None:
+        return F.embedding(tokens, plain)
+    key = _primary(w, name)
+    if key is None:
+        raise KeyError(name)
+    q = decode(key[len(name) + len(PRIMARY):])
+    if q.kind == "gguf":
+        return gguf_dequant.rows(w[key], tokens, q, dtype)
+    return F.embedding(tokens, dense(w, name, dtype))
 
 
 def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:

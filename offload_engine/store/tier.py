@@ -97,11 +97,13 @@ class Prepared:
 
     def add(self, slot: Slot, views: dict[str, torch.Tensor], dtype: torch.dtype,
             tail: torch.Tensor) -> dict[str, torch.Tensor]:
+        if slot.kind in ROW_KINDS:  # looked up by rows, never multiplied: no kernel form would be read
+            return views
         planned = self.hook.plan(views, dtype)
         if not planned:
             return views
         carver = None
-        if slot.tier in self.in_place_tiers and slot.kind not in ROW_KINDS:
+        if slot.tier in self.in_place_tiers:
             carver = self.hook.carver(tail)
             if not carver.fits(sum(p.tail for p in planned)):
                 carver = None

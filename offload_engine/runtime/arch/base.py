@@ -16,7 +16,7 @@ from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
 from ..kernels.select import fast_linear
-from ..linear import dense, is_quantized, linear
+from ..linear import dense, embedding, is_quantized, linear
 from ..moe import softmax_topk
 
 Weights = Mapping[str, torch.Tensor]
@@ -85,7 +85,7 @@ class StandardOps:
 
     # embedding and head
     def embed(self, w: Weights, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, w["weight"])
+        return embedding(w, "weight", tokens, self.dtype)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The architecture's RMSNorm (zero-centred variants override this)."""

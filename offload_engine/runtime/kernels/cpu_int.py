@@ -29,7 +29,7 @@ import torch
 
 from ...checkpoint.formats import QuantSpec
 from ...planner.kernel_room import int4_group
-from .. import dequant
+from .. import dequant, gguf_dequant
 
 F32 = torch.float32
 
@@ -58,11 +58,15 @@ def repack_int4(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torc
     """(packed uint8 [N, K/2], sz [K/g, N, 2]) for a 4-bit weight, or None where the kernel does not apply.
     parts: data, scale, zero (None if absent), g_idx (None if absent)."""
     kg = int4_group(q)
-    if q.bits != 4 or kg is None:
+    if (q.bits != 4 and q.kind != "gguf") or kg is None:
         return None
     data, scale, zero = parts["data"], parts["scale"], parts["zero"]
     group = q.inp if q.strategy == "channel" or q.group == 0 else q.group
-    if q.kind == "ct_pack" and q.strategy in ("group", "channel"):
+    if q.kind == "gguf":
+        u, scale, term = gguf_dequant.int4_parts(data, q)
+        group = 32
+        packed_bytes = pair_bytes(u.to(torch.uint8))
+    elif q.kind == "ct_pack" and q.strategy in ("group", "channel"):
         # the words' bytes, low nibble first (little-endian): the stored values + 8, the kernel's q, in order
         packed_bytes = data.contiguous().view(torch.uint8).view(q.out, -1)[:, :q.inp // 2]
         scale = scale.to(F32).reshape(q.out, -1)

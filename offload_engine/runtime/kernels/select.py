@@ -32,6 +32,7 @@ import torch
 
 from ...checkpoint.formats import PRIMARY, QuantSpec, part_name
 from ...checkpoint.layout import UnitLayout
+from ...planner.placement import ROW_KINDS
 from ...planner.kernel_room import ALIGN, cpu_path, data_bytes, quantized_specs, tail_bytes, unit_room
 from . import cpu_int, fp8, triton_int
 
@@ -81,7 +82,7 @@ def path_for(q: QuantSpec, device: torch.device) -> str | None:
     """The fast path a weight stored as `q` takes on `device`, or None (dequantize)."""
     if device.type == "cpu":
         return cpu_path(q) if cpu_int.available() else None
-    if device.type == "cuda":
+    if device.type == "cuda" and not q.kind.startswith("gguf"):
         if q.kind == "ct_pack" and q.strategy in ("group", "channel") and triton_int.available():
             return "triton"
         if fp8.applies(q, device):
@@ -99,7 +100,7 @@ class Built:
 def slot_room(layout: UnitLayout, device: torch.device, dtype: torch.dtype) -> int:
     """Bytes a slot of `device` needs beyond `layout`'s unit for the CPU kernels' forms of its weights (the
     planner sizes slots with it: planner/kernel_room.py); 0 where none applies."""
-    if device.type != "cpu" or not cpu_int.available():
+    if device.type != "cpu" or not cpu_int.available() or layout.key.kind in ROW_KINDS:
         return 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     return unit_room((s.local for s in layout.slices), itemsize)
@@ -113,7 +114,7 @@ class Kernels:
         out = []
         itemsize = torch.empty((), dtype=dtype).element_size()
         for local, q in quantized_specs(views):
-            device = views[part_name(local, "scale")].device
+            device = next(v for k, v in views.items() if k.startswith(local + PRIMARY)).device
             path = path_for(q, device)
             if path is None:
                 continue
@@ -136,7 +137,7 @@ class Kernels:
         unused = 0
         for p in planned:
             data = next(v for k, v in views.items() if k.startswith(p.local + PRIMARY))
-            parts = {"data": data, "scale": views[part_name(p.local, "scale")],
+            parts = {"data": data, "scale": views.get(part_name(p.local, "scale")),
                      "zero": views.get(part_name(p.local, "zero")), "g_idx": views.get(part_name(p.local, "g_idx"))}
             got = _build(p, parts, dtype)
             if got is None:
