@@ -33,10 +33,13 @@ BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 
 
 def llama_cpp_dir() -> Path | None:
-    """llama.cpp's sources as vendored in the llama-cpp-python sdist (`pip download --no-deps --no-binary :all:
-    llama-cpp-python -d /tmp/lcp`, unpacked), or $OFFLOAD_ENGINE_LLAMA_CPP."""
+    """llama.cpp's sources as vendored in the llama-cpp-python sdist: $OFFLOAD_ENGINE_LLAMA_CPP, else the bench's
+    cache (`python tools/llama_peer.py fetch`, which `make test` runs where the package index answers), else an
+    sdist unpacked under /tmp/lcp."""
+    from tools.llama_peer import source_dir
+
     env = os.environ.get("OFFLOAD_ENGINE_LLAMA_CPP")
-    found = [env] if env else sorted(glob.glob("/tmp/lcp/llama_cpp_python-*/vendor/llama.cpp"))
+    found = [env] if env else [str(source_dir()), *sorted(glob.glob("/tmp/lcp/llama_cpp_python-*/vendor/llama.cpp"))]
     for d in found:
         if (Path(d) / "convert_hf_to_gguf.py").is_file() and (Path(d) / "conversion").is_dir():
             return Path(d)

@@ -36,25 +36,6 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
 QUANT_TYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q6_K")
 OUTTYPES = ("bf16", "f16", "f32", "q8_0")
-# A wrapper around the sdist's converter: the only change is the fallback for an unknown pre-tokenizer hash.
-_CONVERT_WRAPPER = """
-import runpy, sys
-gguf_py, root, script = sys.argv[1:4]
-sys.path[:0] = [gguf_py, root]
-from conversion.base import TextModel
-_known = TextModel.get_vocab_base_pre
-def _get_vocab_base_pre(self, tokenizer):
-    try:
-        return _known(self, tokenizer)
-    except NotImplementedError:
-        print("llama_peer: unknown BPE pre-tokenizer hash: using 'gpt-2' (byte-level)", file=sys.stderr)
-        return "gpt-2"
-TextModel.get_vocab_base_pre = _get_vocab_base_pre
-sys.argv = [script] + sys.argv[4:]
-runpy.run_path(script, run_name="__main__")
-"""
-
-
 class LlamaPeerError(RuntimeError):
     """The llama.cpp peer could not be built or run (the message names the step and its log)."""
 
@@ -149,7 +130,8 @@ def convert(hf_dir: str | os.PathLike, out_gguf: str | os.PathLike, outtype: str
     src = _fetch_source(version)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
-    cmd = [sys.executable, "-c", _CONVERT_WRAPPER, str(src / "gguf-py"), str(src), str(src / "convert_hf_to_gguf.py"),
+    # the sdist's converter, through the one wrapper that declares the test checkpoints' tokenizer (llamacpp_convert)
+    cmd = [sys.executable, str(Path(__file__).with_name("llamacpp_convert.py")), "--llama-cpp", str(src),
            str(hf_dir), "--outfile", str(tmp), "--outtype", outtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "NO_LOCAL_GGUF": "1"})
     if proc.returncode or not tmp.is_file():
@@ -223,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", default=SDIST_VERSION, help="llama-cpp-python sdist version")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fetch", help="download and unpack the sdist only (the converter's sources; no build)")
     b = sub.add_parser("build")
     b.add_argument("-j", "--jobs", type=int, default=2)
     c = sub.add_parser("convert")
@@ -239,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repetitions", type=int, default=3)
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "build":
+        if a.cmd == "fetch":
+            print(_fetch_source(a.version))
+        elif a.cmd == "build":
             print(ensure_built(a.version, a.jobs))
         elif a.cmd == "convert":
             print(convert(a.hf_dir, a.out, a.outtype, a.version))

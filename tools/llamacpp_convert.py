@@ -5,11 +5,13 @@
         MODEL_DIR --outtype f32 --outfile model.gguf
 
 The converter runs unmodified except for two environment facts of the test checkpoints, patched here:
-- their byte-level BPE is trained locally, so its pre-tokenizer hash is in no table: it is declared "gpt2"
+- their byte-level BPE is trained locally, so its pre-tokenizer hash is in no table: it is declared "gpt-2"
   (GPT-2's regex and byte-level mapping, which is what tools/make_checkpoint.py trains);
 - `sentencepiece` is not installed: Llama's vocab loader tries it first and falls back on FileNotFoundError
   (the test checkpoints have no tokenizer.model), so the missing module is reported as that.
 The converter and its `gguf-py` are imported from the sdist folder, so the conversion is llama.cpp's own.
+tools/llama_peer.py (the bench's llama.cpp peer) converts through this wrapper too, and keeps the sdist unpacked
+in its cache (`python tools/llama_peer.py fetch`), where tests/test_gguf.py finds it.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def main(argv: list[str]) -> int:
         try:
             return original(self, tokenizer)
         except NotImplementedError:  # a locally trained tokenizer: no published hash
-            return "gpt2"
+            print("llamacpp_convert: unknown BPE pre-tokenizer hash: using 'gpt-2' (byte-level)", file=sys.stderr)
+            return "gpt-2"
 
     def no_sentencepiece(self) -> None:
         raise FileNotFoundError("sentencepiece is not installed; the test checkpoints have no tokenizer.model")

@@ -23,7 +23,7 @@ DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> (regexes applied in turn, ignore_merges: whole-word vocab hits skip the merges)
-PRE = {"default": (GPT2, False), "gpt2": (GPT2, False), "llama-bpe": (LLAMA3, True), "llama3": (LLAMA3, True),
+PRE = {"default": (GPT2, False), "gpt-2": (GPT2, False), "gpt2": (GPT2, False), "llama-bpe": (LLAMA3, True), "llama3": (LLAMA3, True),
        "smaug-bpe": (LLAMA3, True), "qwen2": (QWEN2, False), "deepseek-r1-qwen": (QWEN2, False),
        "deepseek-v3": (DEEPSEEK3, False)}
 
