@@ -15,6 +15,7 @@ from ..checkpoint.hf_config import parse_config
 from ..checkpoint.index import CheckpointIndex
 from ..errors import ConfigError
 from ..interrupts import finish_despite_interrupts
+from ..units import format_bytes
 from .plan import QuantizeOptions, QuantPlan, TensorPlan, make_plan
 from .scheme import quantize_rows, shape_tensor, stored_tensors
 from .writer import COPY_CHUNK, ShardWriter, SourceReader, Staging
@@ -90,7 +91,8 @@ def _chunk_values(plan: QuantPlan, ram: int) -> int:
     for tp in plan.tensors:
         if tp.scheme is not None and tp.scheme.row_multiple * tp.record.shape[-1] > values:
             need = 2 * WORK_BYTES_PER_VALUE * tp.scheme.row_multiple * tp.record.shape[-1]
-            raise ConfigError(f"--ram {ram} bytes is too small: quantizing {tp.name} needs at least {need} bytes")
+            raise ConfigError(f"--ram {format_bytes(ram)} is too small: quantizing {tp.name} needs at least "
+                              f"{format_bytes(need)}")
     return max(values, 1)
 
 
@@ -115,6 +117,7 @@ def _write_shards(index: CheckpointIndex, plan: QuantPlan, reader: SourceReader,
                     else:
                         _quantize(tp, reader, writer, chunk_values)
                     bar.update(tp.record.nbytes)
+                writer.finish()
             finally:
                 writer.close()
             weight_map.update({name: shard.name for name, _, _ in entries})

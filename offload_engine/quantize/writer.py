@@ -23,7 +23,8 @@ COPY_CHUNK = 64 << 20  # bytes per read/write when a tensor is copied as stored
 
 class ShardWriter:
     """One safetensors file: header written at open (tensors in the given order, 8-byte aligned header), then
-    each tensor's bytes at their place, in any order and in pieces. close() checks every byte was written."""
+    each tensor's bytes at their place, in any order and in pieces. finish() checks every byte was written
+    and syncs; close() only closes (a run cut short closes without checking)."""
 
     def __init__(self, path: Path, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]):
         self.path = path
@@ -62,16 +63,16 @@ class ShardWriter:
         _pwrite_all(self.fd, memoryview(data), self.data_start + begin + at)
         self.written[name] += len(data)
 
+    def finish(self) -> None:
+        """Every tensor complete, on disk."""
+        short = [n for n, (b, e) in self.spans.items() if self.written[n] != e - b]
+        if short:
+            raise AssertionError(f"{self.path.name}: tensors not fully written: {short[:4]}")
+        os.fsync(self.fd)
+
     def close(self) -> None:
-        if self.fd < 0:
-            return
-        fd, self.fd = self.fd, -1
-        try:
-            short = [n for n, (b, e) in self.spans.items() if self.written[n] != e - b]
-            if short:
-                raise AssertionError(f"{self.path.name}: tensors not fully written: {short[:4]}")
-            os.fsync(fd)
-        finally:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
             os.close(fd)
 
 
