@@ -296,3 +296,75 @@ def test_demo_mtp_layer_survives_and_int4_drafts_within_10_percent(demo_bf16, de
     base, quant = mtp_acceptance(demo_bf16), mtp_acceptance(out)
     FIGURES["demo mtp acceptance (depth 1)"] = f"bf16 {base:.3f}, int4 {quant:.3f}"
     assert quant >= 0.9 * base
+
+
+def test_a_failed_run_leaves_nothing(checkpoint_factory, tmp_path, monkeypatch):
+    from offload_engine.quantize import convert
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return quantize_rows(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "quantize_rows", failing)
+    with pytest.raises(OSError, match="No space"):
+        quantize_checkpoint(checkpoint_factory("qwen3_moe"), tmp_path / "q", QuantizeOptions("int4"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_quantized_routers_and_mtp_layers_read_as_their_dequantized_values(tmp_path):
+    """--no-keep-router / --no-keep-mtp: the engine reads them (transformers builds neither DeepSeek's router as
+    a Linear nor the MTP layers): its logits equal those of a copy holding the library's dequantized weights."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    out = quantize(PACKAGE_MODEL, tmp_path / "q", "--weights", "int4", "--group", "0", "--no-keep-router",
+                   "--no-keep-mtp")
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert not [i for i in qc["ignore"] if ("layers.4" in i or "mlp.gate" in i) and "shared_head.head" not in i]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**qc["config_groups"]["group_0"]["weights"]))
+    tensors, plain = load_file(out / "model.safetensors"), {}
+    for name, t in tensors.items():
+        stem = name.removesuffix("_packed")
+        if name.endswith(".weight_packed") and (".mlp.gate." in name or ".layers.4." in name):
+            parts = {k.removeprefix(stem.removesuffix("weight")): tensors[k] for k in
+                     (stem + "_packed", stem + "_scale", stem + "_shape")}
+            plain[stem] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+            qc["ignore"].append(stem.removesuffix(".weight"))
+    assert any(".mlp.gate." in n for n in plain) and any(".layers.4." in n for n in plain)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    kept = {n: t for n, t in tensors.items() if n.removesuffix("_packed").removesuffix("_scale").removesuffix(
+        "_shape") not in plain}
+    save_file({**kept, **plain}, ref / "model.safetensors", metadata={"format": "pt"})
+    (ref / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ref / f).write_bytes((out / f).read_bytes())
+    with Engine.open(out, dtype="float32", spec="mtp") as a, Engine.open(ref, dtype="float32", spec="mtp") as b:
+        assert torch.equal(a.logits(PROMPT), b.logits(PROMPT))
+        assert engine_greedy(a, PROMPT, 12) == engine_greedy(b, PROMPT, 12)
+        spec = a.generate(PROMPT, max_new_tokens=24, ignore_eos=True, spec="mtp", spec_depth=1, spec_width=1)
+        assert spec.stats["spec_steps"] > 0 and spec.token_ids == engine_greedy(a, PROMPT, 24)
+
+
+def test_plan_reports_what_it_keeps_and_the_groups_it_fits():
+    from offload_engine.checkpoint.index import CheckpointIndex
+    from offload_engine.quantize.plan import make_plan
+
+    index = CheckpointIndex.open(PACKAGE_MODEL)
+    plan = make_plan(index.tensors, 4, QuantizeOptions("int4", keep=(r"\.o_proj$",)))
+    kv_b = {f"model.layers.{i}.self_attn.kv_b_proj" for i in range(4)}  # in_features 48: groups of 24
+    assert plan.fitted == dict.fromkeys(kv_b, 24)
+    assert {m for m, why in plan.kept.items() if why.startswith("--keep")} == {
+        f"model.layers.{i}.self_attn.o_proj" for i in range(4)}
+    assert plan.kept["lm_head"].startswith("head") and plan.kept["model.layers.1.mlp.gate"].startswith("router")
+    config = plan.quantization_config()
+    assert config["config_groups"]["group_1"]["targets"] == sorted(kv_b)
+    assert config["config_groups"]["group_1"]["weights"]["group_size"] == 24
+    assert "model.layers.0.self_attn.o_proj" in config["ignore"] and "lm_head" in config["ignore"]
+    channel = make_plan(index.tensors, 4, QuantizeOptions("int8"))
+    assert not channel.fitted and list(channel.quantization_config()["config_groups"]) == ["group_0"]

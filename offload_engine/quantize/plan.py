@@ -1,8 +1,8 @@
 """Which tensors `offload-engine quantize` quantizes and how, decided from the tensor headers and config.json alone.
 
 Quantized: every 2-D floating `*.weight` of a linear layer (per expert for fused `[E, out, in]` expert tensors).
-Kept as stored: embeddings, norms, biases, everything not 2-D, and by default the routers, the MTP layers and the
-head (each its own flag), plus modules the user names (--keep REGEX). A group-quantized weight whose in_features
+Kept as stored: embeddings, norms, biases, everything not 2-D, a vision tower, and by default the routers, the MTP
+layers and the head (each its own flag), plus modules the user names (--keep REGEX). A group-quantized weight whose in_features
 the group does not divide gets the largest group below it that does (at least MIN_GROUP), else it is kept: both
 are reported, and each fitted group is its own compressed-tensors config group targeting those modules by name.
 """
@@ -26,6 +26,7 @@ _EMBED = re.compile(r"(^|\.)embed_tokens$|(^|\.)wte$|(^|\.)embeddings?$")
 _HEAD = re.compile(r"(^|\.)lm_head$|(^|\.)shared_head\.head$")
 _ROUTER = re.compile(r"(\.mlp\.gate|\.block_sparse_moe\.gate|\.shared_expert_gate|\.router)$")
 _NORM = re.compile(r"norm", re.I)
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -172,6 +173,8 @@ def _keep_reason(module: str, mtp: list[str], o: QuantizeOptions) -> str | None:
         return "MTP layer (--keep-mtp)"
     if o.keep_router and _ROUTER.search(module):
         return "router (--keep-router)"
+    if _VISION.search(module):
+        return "vision tower (this engine runs the language model)"
     for pattern in o.keep:
         if re.search(pattern, module):
             return f"--keep {pattern}"
