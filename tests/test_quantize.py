@@ -368,3 +368,45 @@ def test_plan_reports_what_it_keeps_and_the_groups_it_fits():
     assert "model.layers.0.self_attn.o_proj" in config["ignore"] and "lm_head" in config["ignore"]
     channel = make_plan(index.tensors, 4, QuantizeOptions("int8"))
     assert not channel.fitted and list(channel.quantization_config()["config_groups"]) == ["group_0"]
+
+
+MEMORY = r'''
+import sys, threading, time
+import psutil
+from offload_engine.cli import main
+from offload_engine.quantize import convert  # noqa: F401  (imports done before the baseline)
+import tqdm  # noqa: F401
+proc, peak, done = psutil.Process(), [0], threading.Event()
+def sample():  # resident size every millisecond (ru_maxrss would still hold the imports' own peak)
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+base = proc.memory_info().rss
+sampler = threading.Thread(target=sample)
+sampler.start()
+rc = main(["quantize", "--model", sys.argv[1], "--out", sys.argv[2], "--weights", sys.argv[3], "--ram", "32MiB",
+           "--quiet"])
+done.set()
+sampler.join()
+print(rc, peak[0] - base)
+'''
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp8"])
+def test_peak_memory_stays_within_ram(weights, checkpoint_factory, tmp_path):
+    """A 64 MiB weight and a 64 MiB embedding quantized and copied with --ram 32MiB: the process's resident size
+    grows by at most the budget."""
+    src = tmp_path / "big"
+    src.mkdir()
+    (src / "config.json").write_bytes((checkpoint_factory("llama") / "config.json").read_bytes())
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.randn(8192, 4096, generator=g).to(torch.bfloat16),
+               "model.embed_tokens.weight": torch.randn(8192, 4096, generator=g).to(torch.bfloat16)},
+              src / "model.safetensors", metadata={"format": "pt"})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", MEMORY, str(src), str(tmp_path / "q"), weights], env=env,
+                          capture_output=True, text=True, timeout=300)
+    rc, grew = map(int, proc.stdout.split()[-2:])
+    assert rc == 0, proc.stderr[-2000:]
+    FIGURES[f"peak growth {weights} --ram 32MiB"] = f"{grew / 2**20:.0f} MiB"
+    assert grew <= 32 << 20

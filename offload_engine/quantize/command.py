@@ -29,8 +29,9 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group", type=int, metavar="N",
                    help="int: input features per scale (0: per output channel; default int4 "
                         f"{DEFAULT_GROUP['int4']}, int8 per channel); fp8: N x N blocks (default per channel)")
-    p.add_argument("--ram", default="4GiB", help="host memory for the work (default 4GiB): rows are quantized "
-                                                  "in chunks that fit")
+    p.add_argument("--ram", default="4GiB", help="host memory for the tensors in flight (default 4GiB; the "
+                                                  "process's own few hundred MB apart): rows are quantized and "
+                                                  "tensors copied in chunks that fit")
     opt = argparse.BooleanOptionalAction
     p.add_argument("--keep-mtp", action=opt, default=True, help="keep the MTP layers unquantized (default)")
     p.add_argument("--keep-router", action=opt, default=True, help="keep the MoE routers unquantized (default)")

@@ -20,7 +20,9 @@ from .plan import QuantizeOptions, QuantPlan, TensorPlan, make_plan
 from .scheme import quantize_rows, shape_tensor, stored_tensors
 from .writer import COPY_CHUNK, ShardWriter, SourceReader, Staging
 
-WORK_BYTES_PER_VALUE = 48  # peak bytes per weight value while a chunk is quantized (fp32 copies, int64 packing)
+# peak bytes per weight value of a chunk, measured ~28: the rows read (2), their fp32 copy (4) and its scaled copy
+# (4), the max's abs (4), int8 and int32 values (5-9), the packed words; tests/test_quantize.py checks the total
+WORK_BYTES_PER_VALUE = 32
 SIDE_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
               "merges.txt", "chat_template*", "*.jinja", "*.tiktoken", "preprocessor_config.json", "*.py")
 
@@ -85,8 +87,9 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, option
 
 
 def _chunk_values(plan: QuantPlan, ram: int) -> int:
-    """Weight values quantized at once: half the budget's worth (the rest holds copies in flight and the
-    process); refused by naming --ram when one block's rows (fp8 block strategy) or one row does not fit."""
+    """Weight values quantized at once: half the budget's worth (the rest: what the run itself allocates, and the
+    allocator's slack); refused by naming --ram when one block's rows (fp8 block strategy) or one row does not
+    fit."""
     values = ram // 2 // WORK_BYTES_PER_VALUE
     for tp in plan.tensors:
         if tp.scheme is not None and tp.scheme.row_multiple * tp.record.shape[-1] > values:
@@ -99,6 +102,8 @@ def _chunk_values(plan: QuantPlan, ram: int) -> int:
 def _write_shards(index: CheckpointIndex, plan: QuantPlan, reader: SourceReader, tmp: Path, chunk_values: int,
                   progress: bool) -> int:
     from tqdm import tqdm
+
+    copy_chunk = min(COPY_CHUNK, max(chunk_values * WORK_BYTES_PER_VALUE // 2, 1))  # a quarter of --ram
 
     by_shard: dict[Path, list[TensorPlan]] = {}
     for tp in plan.tensors:
@@ -113,7 +118,7 @@ def _write_shards(index: CheckpointIndex, plan: QuantPlan, reader: SourceReader,
             try:
                 for tp in by_shard[shard]:
                     if tp.scheme is None:
-                        reader.copy(tp.record, writer)
+                        reader.copy(tp.record, writer, copy_chunk)
                     else:
                         _quantize(tp, reader, writer, chunk_values)
                     bar.update(tp.record.nbytes)

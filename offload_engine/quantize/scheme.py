@@ -76,7 +76,8 @@ def stored_tensors(name: str, shape: tuple[int, ...], s: WeightScheme, scale_dty
 
 def quantize_rows(w: torch.Tensor, s: WeightScheme, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [r, in] of a weight (r a multiple of `row_multiple` unless they are the last) -> (stored values, scale
-    rows): int32 packed words or fp8 values, and the scale rows these rows own."""
+    rows): int32 packed words or fp8 values, and the scale rows these rows own. One fp32 copy of the rows at a
+    time (the rest in place): convert.WORK_BYTES_PER_VALUE is charged for it."""
     w = w.float()
     qmax = FP8_MAX if s.kind == "float" else float((1 << (s.bits - 1)) - 1)
     rows, inp = w.shape
@@ -86,16 +87,15 @@ def quantize_rows(w: torch.Tensor, s: WeightScheme, scale_dtype: torch.dtype) ->
         padded[:rows, :inp] = w
         grid = padded.view(padded.shape[0] // b, b, padded.shape[1] // b, b)
         scale = _stored_scale(grid.abs().amax(dim=(1, 3)) / qmax, scale_dtype)
-        full = scale.float().repeat_interleave(b, 0).repeat_interleave(b, 1)[:rows, :inp]
+        scaled = grid.div_(scale.float()[:, None, :, None]).view(padded.shape)[:rows, :inp]
     else:
         per = s.group if s.strategy == "group" else inp
-        scale = _stored_scale(w.view(rows, inp // per, per).abs().amax(-1) / qmax, scale_dtype)
-        full = scale.float().repeat_interleave(per, 1)
-    scaled = w / full
+        groups = w.view(rows, inp // per, per)
+        scale = _stored_scale(groups.abs().amax(-1) / qmax, scale_dtype)
+        scaled = (groups / scale.float()[..., None]).view(rows, inp)
     if s.kind == "float":
-        return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-    q = torch.round(scaled).clamp(-qmax - 1, qmax).to(torch.int8)
-    return pack_int32(q, s.bits), scale
+        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return pack_int32(scaled.round_().clamp_(-qmax - 1, qmax).to(torch.int8), s.bits), scale
 
 
 def _stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,11 +109,15 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     2^(bits-1), element i at bits i * bits .. of the row's bit string (little-endian words, zero padded)."""
     per = 32 // bits
     rows, cols = q.shape
-    u = q.to(torch.int64) + (1 << (bits - 1))
+    u = q.to(torch.int32)
+    u += 1 << (bits - 1)
     pad = _ceil(cols, per) * per - cols
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
-    words = (u.view(rows, -1, per) << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
+    u = u.view(rows, -1, per)
+    words = torch.zeros(u.shape[:2], dtype=torch.int64)
+    for i in range(per):  # field by field: no int64 copy of every value
+        words |= u[:, :, i].to(torch.int64) << (i * bits)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 

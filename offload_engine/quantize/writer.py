@@ -101,16 +101,24 @@ class SourceReader:
         return data
 
     def rows(self, rec: TensorRecord, first: int, count: int) -> torch.Tensor:
-        """Rows first..first+count of `rec` seen as [rows, in] (fused [E, out, in] tensors: E * out rows)."""
+        """Rows first..first+count of `rec` seen as [rows, in] (fused [E, out, in] tensors: E * out rows), read
+        straight into the tensor's buffer."""
         inp = rec.shape[-1]
-        size = rec.torch_dtype.itemsize
-        data = bytearray(self.read(rec, first * inp * size, count * inp * size))
-        return torch.frombuffer(data, dtype=rec.torch_dtype).view(count, inp)
+        n = count * inp * rec.torch_dtype.itemsize
+        buf = bytearray(n)
+        got, view = 0, memoryview(buf)
+        while got < n:
+            k = os.preadv(self._fd(rec.file), [view[got:]], rec.offset + first * inp * rec.torch_dtype.itemsize + got)
+            if k == 0:
+                raise CheckpointError(rec.file, f"short read: {got} of {n} bytes (the file changed while being "
+                                                f"quantized?)", tensor=rec.name)
+            got += k
+        return torch.frombuffer(buf, dtype=rec.torch_dtype).view(count, inp)
 
-    def copy(self, rec: TensorRecord, out: ShardWriter) -> None:
-        """`rec` as stored, in chunks of COPY_CHUNK bytes."""
-        for at in range(0, rec.nbytes, COPY_CHUNK):
-            out.write_bytes(rec.name, self.read(rec, at, min(COPY_CHUNK, rec.nbytes - at)), at)
+    def copy(self, rec: TensorRecord, out: ShardWriter, chunk: int = COPY_CHUNK) -> None:
+        """`rec` as stored, `chunk` bytes at a time."""
+        for at in range(0, rec.nbytes, chunk):
+            out.write_bytes(rec.name, self.read(rec, at, min(chunk, rec.nbytes - at)), at)
 
     def close(self) -> None:
         while self.fds:
