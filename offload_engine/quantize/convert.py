@@ -37,6 +37,7 @@ class QuantizeReport:
     bytes_in: int
     bytes_out: int
     copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         gib = 1 << 30
@@ -49,6 +50,7 @@ class QuantizeReport:
         by_group: dict[int, list[str]] = {}
         for module, g in sorted(self.fitted.items()):
             by_group.setdefault(g, []).append(module)
+        lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  group {g} for {len(ms)} module(s) whose in_features the group does not divide: "
                   f"{', '.join(ms[:3])}{', ...' if len(ms) > 3 else ''}" for g, ms in sorted(by_group.items())]
         return "\n".join(lines)
@@ -83,7 +85,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, option
         finish_despite_interrupts(staging.discard)
         reader.close()
     return QuantizeReport(out, options.weights, plan.quantized, plan.kept, plan.fitted, index.total_bytes, bytes_out,
-                          copied)
+                          copied, plan.notes())
 
 
 def _chunk_values(plan: QuantPlan, ram: int) -> int:

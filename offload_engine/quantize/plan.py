@@ -91,6 +91,22 @@ class QuantPlan:
     def quantized(self) -> int:
         return sum(1 for t in self.tensors if t.scheme is not None)
 
+    def notes(self) -> list[str]:
+        """What other readers make of this plan's output (transformers 5.25 with compressed-tensors, checked)."""
+        out = []
+        quantized = [t.name for t in self.tensors if t.scheme is not None]
+        if not self.options.keep_router and any(_ROUTER.search(n.removesuffix(".weight")) for n in quantized):
+            out.append("quantized routers: this engine reads them; transformers does not (its MoE routers are "
+                       "not Linear modules)")
+        if any(".experts." in n for n in quantized):
+            if self.options.scheme().strategy == "block":
+                out.append("fp8 block-scaled experts: this engine reads them; transformers' MoE loader folds only "
+                           "per-channel fp8 scales")
+            if any(_FUSED.search(n) for n in quantized):
+                out.append("fused expert tensors (*_packed / *_scale beside experts.gate_up_proj): this engine "
+                           "reads them; transformers does not")
+        return out
+
     def quantization_config(self) -> dict:
         """config.json's `quantization_config` (compressed-tensors): group_0 targets every Linear; each fitted group
         size is a further group naming its modules (compressed-tensors and this engine prefer a target by exact
