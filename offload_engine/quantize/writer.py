@@ -127,16 +127,20 @@ class SourceReader:
 
 
 class Staging:
-    """A temporary folder beside `out`, renamed onto `out` by publish(), removed by discard(). The caller runs
-    discard() in a `finally` (through finish_despite_interrupts): the folder's name is set before it is made, so
-    a Ctrl-C landing anywhere from create() on leaves nothing behind."""
+    """A temporary folder beside `out`, renamed onto `out` by publish(), removed by discard() with the parent
+    folders create() had to make. The caller runs discard() in a `finally` (through finish_despite_interrupts):
+    each folder is recorded before it is made, so a Ctrl-C landing anywhere from create() on leaves nothing."""
 
     def __init__(self, out: Path):
         self.out = out
         self.tmp: Path | None = None
+        self.made: list[Path] = []  # parent folders this run created (removed again unless published)
 
     def create(self) -> Path:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        missing = [p for p in self.out.absolute().parents if not p.exists()]
+        for parent in reversed(missing):
+            self.made.insert(0, parent)
+            os.mkdir(parent)
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.mkdir(self.tmp)
         return self.tmp
@@ -146,11 +150,20 @@ class Staging:
         if self.out.exists() or self.out.is_symlink():
             raise ConfigError(f"--out {self.out}: appeared while quantizing; not overwritten")
         os.rename(self.tmp, self.out)
-        self.tmp = None
+        self.tmp, self.made = None, []
 
     def discard(self) -> None:
-        """Idempotent: removes what is left of the temporary folder, if anything."""
+        """Idempotent: removes what is left of the temporary folder and the parents made for it."""
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if not self.tmp.exists():
                 self.tmp = None
+        while self.made and self.tmp is None:  # deepest first; one someone else filled meanwhile stays
+            try:
+                self.made[0].rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self.made = []
+                break
+            self.made.pop(0)
