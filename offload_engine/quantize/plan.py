@@ -102,6 +102,9 @@ class QuantPlan:
             if self.options.scheme().strategy == "block":
                 out.append("fp8 block-scaled experts: this engine reads them; transformers' MoE loader folds only "
                            "per-channel fp8 scales")
+            if any(".experts." in m for m in self.fitted):
+                out.append("experts with a fitted group: this engine reads them; transformers' MoE loader "
+                           "dequantizes every expert with the first config group's scheme")
             if any(_FUSED.search(n) for n in quantized):
                 out.append("fused expert tensors (*_packed / *_scale beside experts.gate_up_proj): this engine "
                            "reads them; transformers does not")
