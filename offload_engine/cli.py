@@ -1,4 +1,4 @@
-"""offload-engine: run | serve | inspect. Each subcommand parses, calls the API or planner, and prints.
+"""offload-engine: run | serve | inspect | plan | probe | quantize. Each subcommand parses, calls the API or planner, and prints.
 
 Exit codes: 0 ok, 2 bad input (flags, checkpoint), 3 resources (budget, I/O), 130 interrupted.
 Errors print one line without a traceback unless --debug.
@@ -16,6 +16,7 @@ from .config import DTYPES
 from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, KV_DTYPES, SPEC_MODES
 from .planner.commands import add_plan_parser, add_probe_parser
+from .quantize.command import add_quantize_parser
 from .server.command import SERVE_EXAMPLES, add_serve_flags, check_serve_flags
 from .store.policy import POLICIES
 from .units import format_bytes
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve, json=False)
     add_plan_parser(sub)
     add_probe_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

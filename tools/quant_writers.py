@@ -4,9 +4,12 @@
 config.json's `quantization_config`. MTP layers are quantized like the trunk, as the releases do.
 
   fp8-block  DeepSeek-V3 / Kimi K2: float8_e4m3fn `*.weight` + float32 `*.weight_scale_inv` per block (W = q * s)
-  ct-int4    compressed-tensors pack-quantized int4 group (Kimi K2 Thinking), written by the library's compressor
+  ct-int4    compressed-tensors pack-quantized int4 group (Kimi K2 Thinking), by `offload-engine quantize`'s own
+             writer (offload_engine/quantize/scheme.py, equal to the library's compressor: tests/test_quantize.py);
+             asymmetric (QuantOptions(symmetric=False)) by the library's compressor; a weight whose in_features
+             the group does not divide is kept and named in `ignore`
   ct-int8    compressed-tensors pack-quantized int8 channel (llm-compressor's W8A16), likewise; with
-             QuantOptions(ct_format="int-quantized") the int8 values unpacked (W8A8's format)
+             QuantOptions(ct_format="int-quantized") the int8 values unpacked (W8A8's format, the library's)
   ct-fp8     compressed-tensors float-quantized fp8, channel (FP8_DYNAMIC) or block (FP8_BLOCK) strategy
   gptq       qweight / qzeros / scales / g_idx, 4 or 8 bits, GPTQ v1 zeros (stored minus one), optional act-order
   awq        AWQ GEMM: qweight [in, out/8] in nibble order 0,2,4,6,1,3,5,7, qzeros, scales
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from offload_engine.quantize.scheme import WeightScheme, quantize_rows, shape_tensor, stored_tensors
 
 QUANTS = ("fp8-block", "ct-int4", "ct-int8", "ct-fp8", "gptq", "awq", "mxfp4")
 _KEEP = re.compile(r"(embed_tokens|lm_head|shared_head\.head|norm|mlp\.gate$|shared_expert_gate$|visual\.)")
@@ -46,13 +51,24 @@ class QuantOptions:
     input_major_experts: bool = False  # fused experts stored [E, in, out] (gpt-oss in bf16): mxfp4 blocks the input
 
 
-def quantizable(name: str, t: torch.Tensor) -> bool:
+def quantizable(name: str, t: torch.Tensor, quant: str | None = None, opts: QuantOptions = QuantOptions()) -> bool:
     if _FUSED.search(name):
-        return t.dim() == 3
-    return name.endswith(".weight") and t.dim() == 2 and not _KEEP.search(name.removesuffix(".weight"))
+        return t.dim() == 3 and not ungrouped(t, quant, opts)
+    return (name.endswith(".weight") and t.dim() == 2 and not _KEEP.search(name.removesuffix(".weight"))
+            and not ungrouped(t, quant, opts))
 
 
-def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions()) -> None:
+def ungrouped(t: torch.Tensor, quant: str | None, opts: QuantOptions) -> bool:
+    """A compressed-tensors group-strategy weight whose in_features the group does not divide (the demo's
+    kv_b_proj has 48): kept as stored, and its module named in the config's `ignore` (quantize_folder)."""
+    if quant not in ("ct-int4", "ct-int8") or t.dim() < 2:
+        return False
+    strategy = opts.strategy or ("group" if quant == "ct-int4" else "channel")
+    return strategy == "group" and t.shape[-1] % opts.group_size != 0
+
+
+def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions()) -> list[str]:
+    """Returns the modules kept because the group does not divide their in_features (see `ungrouped`)."""
     if quant not in QUANTS:
         raise ValueError(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
     gen = torch.Generator().manual_seed(opts.seed)
@@ -61,11 +77,14 @@ def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions(
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     weight_map = {}
+    kept = []
     for shard in sorted(folder.glob("*.safetensors")):
         tensors = load_file(shard)
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            parts = quantize_tensor(name, t, quant, opts, gen) if quantizable(name, t) else None
+            if ungrouped(t, quant, opts) and quantizable(name, t):
+                kept.append(name.removesuffix(".weight"))
+            parts = quantize_tensor(name, t, quant, opts, gen) if quantizable(name, t, quant, opts) else None
             out.update(parts if parts is not None else {name: t})
         save_file({k: v.contiguous() for k, v in out.items()}, shard, metadata={"format": "pt"})
         weight_map.update({k: shard.name for k in out})
@@ -74,18 +93,19 @@ def quantize_folder(folder: Path, quant: str, opts: QuantOptions = QuantOptions(
         index_path.write_text(json.dumps(index, indent=2) + "\n")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = quant_config(quant, opts)
+    config["quantization_config"] = quant_config(quant, opts, tuple(sorted(kept)))
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return sorted(kept)
 
 
-def quant_config(quant: str, opts: QuantOptions) -> dict:
+def quant_config(quant: str, opts: QuantOptions, kept: tuple[str, ...] = ()) -> dict:
     if quant == "fp8-block":
         return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                 "weight_block_size": [opts.block, opts.block]}
     if quant.startswith("ct-"):
         from compressed_tensors.quantization import QuantizationConfig
 
-        ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
+        ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", *kept]
         fmt = "float-quantized" if quant == "ct-fp8" else opts.ct_format
         config = QuantizationConfig(config_groups={"group_0": ct_scheme(quant, opts)}, format=fmt,
                                     quantization_status="compressed", ignore=ignore)
@@ -149,13 +169,20 @@ def _fp8_block(name: str, w: torch.Tensor, b: int) -> dict:
 
 
 def _compressed_tensors(name: str, w: torch.Tensor, quant: str, opts: QuantOptions) -> dict:
-    """Scales from the weight's range, then the library's own compressor quantizes and packs (and, asymmetric,
-    the zeros)."""
+    """Symmetric pack-quantized and float-quantized weights: the product's own writer (offload_engine/quantize,
+    checked against the library's compressors in tests/test_quantize.py), bf16 scales as the releases store them.
+    Asymmetric and int-quantized ones: scales from the weight's range, then the library's own compressor
+    quantizes and packs (and the zeros)."""
     from compressed_tensors.compressors import (FloatQuantizationCompressor, IntQuantizationCompressor,
                                                 PackedQuantizationCompressor)
 
     scheme = ct_scheme(quant, opts)
     a = scheme.weights
+    if a.symmetric and (a.type == "float" or opts.ct_format == "pack-quantized"):
+        ws = WeightScheme(a.type, a.num_bits, a.strategy, group=a.group_size or 0, block=opts.block)
+        values, scale = quantize_rows(w, ws, torch.bfloat16)
+        parts = stored_tensors(name, tuple(w.shape), ws, torch.bfloat16)
+        return dict(zip((n for n, _, _ in parts), (values, scale, shape_tensor(tuple(w.shape)))))
     if a.type == "float":
         qmax, qmin = 448.0, -448.0  # float8_e4m3fn's range
     else:

@@ -48,12 +48,15 @@ class QuantConfig:
     def scheme_for(self, module: str) -> CTScheme | None:
         """The compressed-tensors group that quantizes `module` (None: ignored or not targeted). Targets and
         ignore entries are module names or `re:` regexes (matched from the start, as compressed-tensors does);
-        a class name ("Linear") matches every linear layer, which is all this is asked about."""
+        a class name ("Linear") matches every linear layer, which is all this is asked about. As in
+        compressed-tensors, a target naming the module exactly wins over a regex, and a regex over a class name
+        (a group naming a few modules beside a "Linear" group), whatever the groups' order."""
         if any(_match(module, t) for t in self.ignore):
             return None
-        for scheme in self.schemes:
-            if any(_match(module, t) or _is_class(t) for t in scheme.targets):
-                return scheme
+        for matches in (lambda t: t == module, lambda t: t.startswith("re:") and _match(module, t), _is_class):
+            for scheme in self.schemes:
+                if any(matches(t) for t in scheme.targets):
+                    return scheme
         return None
 
 

@@ -1,0 +1,68 @@
+"""The `quantize` subcommand (registered by cli.py): parse, call quantize_checkpoint, print what was kept."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+from ..units import parse_bytes
+from .plan import DEFAULT_GROUP, WEIGHTS, QuantizeOptions
+
+QUANTIZE_EXAMPLES = """examples:
+  offload-engine quantize --model ~/models/Qwen3-30B-A3B --out ~/models/Qwen3-30B-A3B-int4 --weights int4
+  offload-engine quantize --model DIR --out DIR-int8 --weights int8 --ram 8GiB
+  offload-engine quantize --model DIR --out DIR-fp8 --weights fp8 --group 128 --no-keep-mtp
+
+writes compressed-tensors weights (transformers with `compressed-tensors`, vLLM and this engine read them):
+int4/int8 pack-quantized, symmetric, round to nearest (int4 in groups of 32, int8 per output channel unless
+--group); fp8 e4m3 per output channel, or in --group x --group blocks. Embeddings and norms are kept as stored;
+routers, MTP layers and the head too unless --no-keep-router / --no-keep-mtp / --no-keep-head.
+"""
+
+
+def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write an int8/int4/fp8 (compressed-tensors) copy of a checkpoint",
+                       epilog=QUANTIZE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face folder in bf16, fp16 or fp32")
+    p.add_argument("--out", required=True, help="folder to create (never overwritten)")
+    p.add_argument("--weights", required=True, choices=WEIGHTS, help="stored weight format")
+    p.add_argument("--group", type=int, metavar="N",
+                   help="int: input features per scale (0: per output channel; default int4 "
+                        f"{DEFAULT_GROUP['int4']}, int8 per channel); fp8: N x N blocks (default per channel)")
+    p.add_argument("--ram", default="4GiB", help="host memory for the tensors in flight (default 4GiB; the "
+                                                  "process's own few hundred MB apart): rows are quantized and "
+                                                  "tensors copied in chunks that fit")
+    opt = argparse.BooleanOptionalAction
+    p.add_argument("--keep-mtp", action=opt, default=True, help="keep the MTP layers unquantized (default)")
+    p.add_argument("--keep-router", action=opt, default=True, help="keep the MoE routers unquantized (default)")
+    p.add_argument("--keep-head", action=opt, default=True, help="keep lm_head unquantized (default)")
+    p.add_argument("--keep-embeddings", action=opt, default=True,
+                   help="keep the embeddings unquantized (always: quantized embeddings are not supported)")
+    p.add_argument("--keep", action="append", default=[], metavar="REGEX",
+                   help="also keep the linear modules whose name matches (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.set_defaults(func=cmd_quantize)
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[QuantizeOptions, int]:
+    try:
+        ram = parse_bytes(args.ram, what="--ram")
+    except ValueError as e:
+        raise ConfigError(f"--ram {args.ram!r}: {e}") from None
+    if ram <= 0:
+        raise ConfigError(f"--ram must be a positive size, got {args.ram!r}")
+    options = QuantizeOptions(weights=args.weights, group=args.group, keep_mtp=args.keep_mtp,
+                              keep_router=args.keep_router, keep_head=args.keep_head,
+                              keep_embeddings=args.keep_embeddings, keep=tuple(args.keep))
+    return options, ram
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from .convert import quantize_checkpoint
+
+    options, ram = options_from_args(args)
+    report = quantize_checkpoint(args.model, args.out, options, ram=ram,
+                                 progress=not args.quiet and sys.stderr.isatty())
+    print(report.summary(), file=sys.stderr)
+    return 0
