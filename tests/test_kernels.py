@@ -52,7 +52,8 @@ CASES = [
     # act-order: dequantized, except the experts' down_proj, whose 32 inputs are one group (g_idx all 0: in order)
     ("qwen3_moe", "gptq", {"desc_act": True}, None),
     ("llama", "gptq", {"bits": 8}, False),  # int8 groups: dequantized
-    ("llama", "fp8-block", {"block": 16}, False),
+    ("llama", "fp8-block", {"block": 16}, True),  # no CPU fp8 kernel: the dense form, made once per fill
+    ("qwen3_moe", "fp8-block", {"block": 16}, True),
 ]
 
 
@@ -88,11 +89,12 @@ def test_fast_path_in_bfloat16(checkpoint_factory, quant, arch):
     assert err <= BF16_FACTOR * ref_err + BF16_TOL, f"fast {err:.3g} vs dequantize {ref_err:.3g} of max|logit|"
 
 
-def test_kernel_forms_fit_their_slots_under_a_streaming_budget(checkpoint_factory):
+@pytest.mark.parametrize("quant", ["ct-int4", "fp8-block"])
+def test_kernel_forms_fit_their_slots_under_a_streaming_budget(checkpoint_factory, quant):
     """At 25% the experts stream through slots sized for their kernel forms: every unit takes the kernel (none
     declined for want of budget), written over its stored data with its scales in the slot's tail (nothing
     charged besides), rebuilt from fresh bytes each time a slot is read into again, and the budget holds."""
-    path = checkpoint_factory("qwen3_moe", "offload", quant="ct-int4")
+    path = checkpoint_factory("qwen3_moe", "offload", quant=quant)
     ref, ref_tokens, _, _ = run(path, "dequantize", ram="25%")
     with Engine.open(path, dtype="float32", budget=Budget(ram="25%"), max_context=len(PROMPT) + NEW) as engine:
         got = engine.logits(PROMPT)
@@ -167,7 +169,7 @@ def test_paths_chosen_per_format_on_the_cpu():
     assert select.path_for(QuantSpec("ct_pack", 24, 128, bits=4, group=32), cpu) is None  # N % 16
     assert select.path_for(QuantSpec("ct_pack", 64, 128, bits=8, strategy="channel"), cpu) == "cpu_int8"
     assert select.path_for(QuantSpec("ct_pack", 64, 128, bits=8, group=32), cpu) is None
-    assert select.path_for(QuantSpec("fp8_block", 64, 128, strategy="block", block=(128, 128)), cpu) is None
+    assert select.path_for(QuantSpec("fp8_block", 64, 128, strategy="block", block=(128, 128)), cpu) == "cpu_dense"
     assert select.path_for(QuantSpec("mxfp4", 64, 128, bits=4, group=32), cpu) is None
 
 

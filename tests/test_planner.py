@@ -168,7 +168,7 @@ def test_planned_sizes_and_placement_equal_the_store(checkpoint_factory, arch):
     assert json.loads(p.placement.to_json()) == json.loads(engine.to_json()) and direct == p.direct_io
 
 
-@pytest.mark.parametrize("quant", ["ct-int4", "ct-int8", "gptq"])
+@pytest.mark.parametrize("quant", ["ct-int4", "ct-int8", "gptq", "fp8-block"])
 def test_planned_kernel_room_equals_the_store(checkpoint_factory, quant):
     """On a CPU the slots of a quantized checkpoint also hold their units' kernel forms: the plan sizes them
     as the engine does (planner/kernel_room.py), so both place the same slots."""

@@ -8,6 +8,11 @@ unit's bytes. The planner sizes every slot of a kind for its unit plus that tail
 run computes every unit with the kernel and its budget still holds: the figure here is what both the planner
 and the store's carving use, one formula for both.
 
+fp8 weights have no CPU kernel: their form is the dense matrix in the compute dtype ("cpu_dense", dequantized
+once when the unit lands instead of at every use: ~2.7 ms per bench expert, ten disk reads of it). The stored
+data (one byte a value) holds its first rows in place and the tail the rest, so the slot costs what the
+dense checkpoint's unit would (plus the scales), while a miss reads half (bf16) of its bytes.
+
 A pure function of the QuantSpec: whether torch has the kernels at all is the runtime's question
 (cpu_int.available()).
 """
@@ -34,8 +39,14 @@ def int4_group(q: QuantSpec) -> int | None:
     return next((g for g in INT4_GROUPS if span % g == 0 and q.inp % g == 0), None)
 
 
+def is_fp8(q: QuantSpec) -> bool:
+    return q.kind == "fp8_block" or (q.kind == "ct_naive" and q.float_values)
+
+
 def cpu_path(q: QuantSpec) -> str | None:
-    """cpu_int4 | cpu_int8 for a weight stored as `q` that a CPU kernel takes, else None (dequantize)."""
+    """cpu_int4 | cpu_int8 | cpu_dense for a weight stored as `q` that takes a CPU form, else None (dequantize)."""
+    if is_fp8(q):
+        return "cpu_dense"
     if q.kind.startswith("gguf"):  # Q4_0 / Q4_K; the other GGUF types are dequantized
         return "cpu_int4" if int4_group(q) is not None else None
     if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and int4_group(q) is not None:
@@ -51,16 +62,26 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def dense_rows_in_place(q: QuantSpec, itemsize: int) -> int:
+    """Rows of an fp8 weight's dense form that its stored data (one byte a value) holds in place."""
+    return q.out // itemsize
+
+
 def tail_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
     """The kernel form's tensors besides its data, carved from the slot's tail: int4's scales and zero terms
-    [K/g, N, 2]; int8's scales [N] and zero terms [N]."""
+    [K/g, N, 2]; int8's scales [N] and zero terms [N]; the dense form's rows its stored data does not hold."""
+    if path == "cpu_dense":
+        return aligned((q.out - dense_rows_in_place(q, itemsize)) * q.inp * itemsize)
     if path == "cpu_int4":
         return aligned((q.inp // int4_group(q)) * q.out * 2 * itemsize)
     return 2 * aligned(q.out * itemsize)
 
 
-def data_bytes(q: QuantSpec, path: str) -> int:
-    """The kernel form's data: written over the stored data in place, or a copy where that is not allowed."""
+def data_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
+    """The kernel form's data: written over the stored data in place, or a copy where that is not allowed (the
+    dense form: its whole matrix, the tail's rows included)."""
+    if path == "cpu_dense":
+        return q.out * q.inp * itemsize - tail_bytes(q, path, itemsize)
     return q.out * q.inp // 2 if path == "cpu_int4" else q.out * q.inp
 
 

@@ -15,10 +15,11 @@ stored data's name then leaves the unit's Weights, and `dense()` reads the kerne
 dequantize-then-matmul.
 
 Paths (docs/FORMATS.md has the table with the tolerances measured):
-  CPU   int4: compressed-tensors int4 group/channel, GPTQ 4-bit in order, AWQ -> cpu_int int4 (repacked: the same
+  CPU   int4: compressed-tensors int4 group/channel, GPTQ 4-bit in order, AWQ, GGUF Q4_0/Q4_K -> cpu_int int4 (the same
         bytes as the file's nibbles, plus scales/zeros in the compute dtype)
         int8 per channel: compressed-tensors pack/int-quantized, GPTQ 8-bit one group -> cpu_int int8
-        everything else (fp8, mxfp4, int8 groups, act-order GPTQ, small groups) -> dequantize
+        fp8 (block, channel) -> the dense form in the compute dtype, made once per fill (no CPU fp8 matmul)
+        everything else (mxfp4, int8 groups, act-order GPTQ, small groups) -> dequantize
   CUDA  compressed-tensors int4/int8 group/channel -> triton_int (reads the stored words: no new bytes)
         fp8 block 128x128 and compressed-tensors fp8 channel on sm90+ -> fp8 (torch._scaled_mm)
         everything else -> dequantize
@@ -29,14 +30,18 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
+import torch.nn.functional as F
 
 from ...checkpoint.formats import PRIMARY, QuantSpec, part_name
 from ...checkpoint.layout import UnitLayout
 from ...planner.placement import ROW_KINDS
-from ...planner.kernel_room import ALIGN, cpu_path, data_bytes, quantized_specs, tail_bytes, unit_room
+from ...planner.kernel_room import (ALIGN, cpu_path, data_bytes, dense_rows_in_place, quantized_specs, tail_bytes,
+                                    unit_room)
+from .. import dequant
 from . import cpu_int, fp8, triton_int
 
 W, S, T, Z, M = "@k:w", "@k:s", "@k:t", "@k:z", "@k:m"
+D = "@k:d"  # the dense form's rows after those its stored data holds in place (cpu_dense)
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class Kernels:
             if path is None:
                 continue
             if path.startswith("cpu"):
-                copy = data_bytes(q, path) if (q.kind, path) != ("ct_naive", "cpu_int8") else 0
+                copy = data_bytes(q, path, itemsize) if (q.kind, path) != ("ct_naive", "cpu_int8") else 0
                 out.append(Planned(local, q, path, tail_bytes(q, path, itemsize), copy))
             else:
                 out.append(Planned(local, q, path, 0, 0))
@@ -146,7 +151,12 @@ class Kernels:
                 forms.append((p, data, {p.local + suffix: t for suffix, t in got.items() if t is not None}))
         built = Built({}, unused, [])
         for p, data, tensors in forms:
-            if carver is not None and p.path.startswith("cpu"):
+            if carver is not None and p.path == "cpu_dense":  # first rows over the data, the rest in the tail
+                stored = next(k for k in views if k.startswith(p.local + PRIMARY))
+                full, rows = tensors[p.local + W], dense_rows_in_place(p.q, tensors[p.local + W].element_size())
+                tensors = {p.local + W: over(data, full[:rows]), p.local + D: carver.place(full[rows:])}
+                built.replaced.append(stored)
+            elif carver is not None and p.path.startswith("cpu"):
                 stored = next(k for k in views if k.startswith(p.local + PRIMARY))
                 kernel_data = tensors[p.local + W]
                 tensors[p.local + W] = over(data, kernel_data)
@@ -160,6 +170,10 @@ class Kernels:
 
 
 def _build(p: Planned, parts: dict, dtype: torch.dtype) -> dict[str, torch.Tensor | None] | None:
+    if p.path == "cpu_dense":
+        if p.q.kind == "fp8_block":
+            return {W: dequant.fp8_block(parts["data"], parts["scale"], p.q, dtype)}
+        return {W: dequant.ct_naive(parts["data"], parts["scale"], parts["zero"], p.q, dtype)}
     if p.path == "cpu_int4":
         got = cpu_int.repack_int4(p.q, parts, dtype)
         return None if got is None else {W: got[0], S: got[1]}
@@ -176,6 +190,12 @@ def fast_linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> to
     packed = w.get(name + W)
     if packed is None:
         return None
+    if packed.dtype.is_floating_point and name + M not in w:  # the dense form (fp8 on a CPU)
+        if packed.dtype != x.dtype:
+            return None
+        y = F.linear(x, packed)
+        rest = w.get(name + D)
+        return y if rest is None else torch.cat((y, F.linear(x, rest)), dim=-1)
     scale = w[name + S]
     if packed.dtype == torch.uint8:
         return cpu_int.int4_mm(x, packed, scale) if scale.dtype == x.dtype else None
@@ -192,6 +212,9 @@ def kernel_dense(w: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -
     packed = w.get(name + W)
     if packed is None:
         return None
+    if packed.dtype.is_floating_point:
+        rest = w.get(name + D)
+        return (packed if rest is None else torch.cat((packed, rest))).to(dtype)
     if packed.dtype == torch.uint8:
         return cpu_int.int4_dense(packed, w[name + S]).to(dtype)
     if packed.dtype == torch.int8:
