@@ -9,7 +9,7 @@ run computes every unit with the kernel and its budget still holds: the figure h
 and the store's carving use, one formula for both.
 
 fp8 weights have no CPU kernel: their form is the dense matrix in the compute dtype ("cpu_dense", dequantized
-once when the unit lands instead of at every use: ~2.7 ms per bench expert, ten disk reads of it). The stored
+once when the unit lands instead of at every use: 1.6-2.7 ms per bench expert, several disk reads of it). The stored
 data (one byte a value) holds its first rows in place and the tail the rest, so the slot costs what the
 dense checkpoint's unit would (plus the scales), while a miss reads half (bf16) of its bytes.
 
