@@ -93,7 +93,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
         raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
     speculative, mode = config.speculative, config.speculative.mode
     device = resolve_device(config.device)
-    checkpoint = open_model(path, allow_cast=config.allow_cast)
+    checkpoint = open_model(path, allow_cast=config.allow_cast, stage=stage)
     dtype = resolve_dtype(config.dtype, device, checkpoint.spec.dtype)
     # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads; a
     # stage's, of the bytes of the units it holds
@@ -113,7 +113,11 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
 
     placement, use_direct = plan(checkpoint)
     last = stage is None or stage.last
-    if mode in ("auto", "mtp") and last:
+    # MTP layers read the embedding: a last stage whose folder lacks its shard runs without them
+    has_embed = any(k.kind == "embed" for k in checkpoint.layouts)
+    if mode == "mtp" and last and not has_embed:
+        raise ConfigError("--spec mtp: this rank's folder lacks the embedding's shard, which MTP layers read")
+    if mode in ("auto", "mtp") and last and has_embed:
         checkpoint, placement, use_direct = _with_mtp_units(checkpoint, placement, use_direct, plan,
                                                             required=mode == "mtp")
     checkpoint = restrict(checkpoint, stage)

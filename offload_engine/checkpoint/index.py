@@ -12,12 +12,14 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
+from .shard_paths import index_shard, shard_path
+from .shard_paths import short as _short
 
 HEADER_CAP = 100 * 1024 * 1024  # safetensors' own limit; OFFLOAD_ENGINE_HEADER_CAP overrides
 _MAX_ELEMENTS = 2**63
@@ -223,10 +225,6 @@ def _validate_entry(path: Path, name: str, entry: Any, data_start: int, spans: l
     return TensorRecord(name, path, data_start + begin, nbytes, dtype, tuple(shape))
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    """repr() for messages, bounded: a hostile header may hold megabytes in one field."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...]"
 
 
 def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
@@ -256,37 +254,6 @@ def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int
                                           f"last tensor", offset=pos)
 
 
-def _shard_path(root: Path, rel: Any, where: Path, tensor: str | None = None) -> tuple[Path, Path]:
-    """`root / rel` and its real path. The name must be a plain relative path: not absolute, no `..`
-    component, no NUL. Symlinks are followed wherever they point (a `--local-dir` download into the hub cache,
-    shards spread over disks); the caller insists the target is a regular file."""
-    try:
-        ok = isinstance(rel, str) and rel != "" and "\x00" not in rel and bool(os.fsencode(rel))
-    except UnicodeError:  # e.g. a lone surrogate from a JSON \ud800 escape: no file can have that name
-        ok = False
-    if not ok:
-        raise CheckpointFormatError(where, f"shard path {_short(rel)} is not a valid relative file name", tensor=tensor)
-    if os.path.isabs(rel):
-        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory (absolute path)", tensor=tensor)
-    if ".." in PurePosixPath(rel).parts:
-        raise CheckpointFormatError(where, f"shard path {rel!r} escapes model directory ('..' component)",
-                                    tensor=tensor, hint="index names are file names inside the model folder")
-    candidate = root / rel
-    try:
-        real = candidate.resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
-        raise CheckpointFormatError(where, f"cannot resolve shard path {rel!r}: {e}", tensor=tensor) from None
-    return candidate, real
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "a special file"
-
-
 JSON_CAP = 100 * 1024 * 1024  # config / index files; real ones are a few MB at most
 
 
@@ -306,38 +273,21 @@ def load_json(path: Path, what: str) -> dict:
     return data
 
 
-def _index_shard(root: Path, rel: Any, index_path: Path, tensor: str, by_real: dict[Path, Path]) -> Path:
-    """The shard file an index entry names: a plain relative name, present, and (through any symlinks) a
-    regular file."""
-    shard, real = _shard_path(root, rel, index_path, tensor=tensor)
-    shard = by_real.setdefault(real, shard)
-    try:
-        mode = shard.stat().st_mode  # follows symlinks
-    except FileNotFoundError:
-        raise CheckpointFormatError(index_path, f"index names missing shard '{rel}'"
-                                                + (f" (a symlink to {real}, which does not exist)"
-                                                   if shard.is_symlink() else ""),
-                                    tensor=tensor, hint="re-download the checkpoint") from None
-    except OSError as e:
-        raise CheckpointFormatError(index_path, f"cannot stat shard '{rel}': {e.strerror}", tensor=tensor) from None
-    if not stat.S_ISREG(mode):
-        via = f" (a symlink to {real})" if shard.is_symlink() else ""
-        raise CheckpointFormatError(index_path, f"index names shard '{rel}'{via}, which is {_file_kind(mode)}, "
-                                                f"not a regular file", tensor=tensor)
-    return shard
-
-
 class CheckpointIndex:
     """Every tensor of a Hugging Face folder: name -> TensorRecord, from headers alone."""
 
-    def __init__(self, root: Path, config: dict, shards: list[ShardInfo], tensors: dict[str, TensorRecord]):
+    def __init__(self, root: Path, config: dict, shards: list[ShardInfo], tensors: dict[str, TensorRecord],
+                 absent: dict[str, Path] | None = None):
         self.root = root
         self.config = config
         self.shards = shards
         self.tensors = tensors
+        self.absent = absent or {}  # tensor -> the shard the index maps it to, not in this folder (missing_ok)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
+    def open(cls, path: str | os.PathLike, missing_shards_ok: bool = False) -> "CheckpointIndex":
+        """missing_shards_ok: shards the index names but the folder lacks are left out (their tensors listed in
+        `absent`) instead of refused: a pipeline rank with a local copy of only its layers' shards."""
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(root, "model folder not found (expected a folder with config.json and *.safetensors, "
@@ -347,7 +297,9 @@ class CheckpointIndex:
             raise CheckpointError(root, f"no config.json, but GGUF files: {', '.join(ggufs[:3])}",
                                   hint=f"pass the file itself: --model {root / ggufs[0]}")
         config = load_json(root / "config.json", "config.json")
-        shard_paths, weight_map, index_path = cls._find_shards(root)
+        shard_paths, weight_map, index_path = cls._find_shards(root, missing_shards_ok)
+        present = set(shard_paths)
+        absent = {name: shard for name, shard in (weight_map or {}).items() if shard not in present}
         shards: list[ShardInfo] = []
         tensors: dict[str, TensorRecord] = {}
         for shard in shard_paths:
@@ -366,13 +318,13 @@ class CheckpointIndex:
                 tensors[rec.name] = rec
         if weight_map is not None:
             for name, shard in weight_map.items():
-                if name not in tensors:
+                if name not in tensors and name not in absent:
                     raise CheckpointFormatError(index_path, f"index maps tensor to {shard.name}, which does not contain it",
                                                 tensor=name)
-        return cls(root, config, shards, tensors)
+        return cls(root, config, shards, tensors, absent)
 
     @staticmethod
-    def _find_shards(root: Path) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
+    def _find_shards(root: Path, missing_ok: bool = False) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
         index_path = root / "model.safetensors.index.json"
         if index_path.exists():
             index = load_json(index_path, "shard index")
@@ -382,19 +334,23 @@ class CheckpointIndex:
             weight_map: dict[str, Path] = {}
             by_rel: dict[str, Path] = {}  # ~10^5 entries name ~10^2 files: check each file name once
             by_real: dict[Path, Path] = {}  # "x", "./x" or two symlinks to one file: read it once
+            present: set[Path] = set()
             for name, rel in wm.items():
                 shard = by_rel.get(rel) if isinstance(rel, str) else None
                 if shard is None:
-                    shard = by_rel[rel] = _index_shard(root, rel, index_path, name, by_real)
+                    found = index_shard(root, rel, index_path, name, by_real, missing_ok)
+                    shard = by_rel[rel] = found if found is not None else root / rel
+                    if found is not None:
+                        present.add(found)
                 weight_map[name] = shard
-            return sorted(set(weight_map.values())), weight_map, index_path
+            return sorted(present), weight_map, index_path
         single = root / "model.safetensors"
         if single.exists() or single.is_symlink():
-            _shard_path(root, single.name, single)  # a symlink loop is named here
+            shard_path(root, single.name, single)  # a symlink loop is named here
             return [single], None, None
         others = sorted(root.glob("*.safetensors"))
         if len(others) == 1:  # read_shard_header refuses it if it is not a regular file
-            _shard_path(root, others[0].name, others[0])
+            shard_path(root, others[0].name, others[0])
             return others, None, None
         if others:
             raise CheckpointError(root, f"{len(others)} .safetensors files but no model.safetensors.index.json",

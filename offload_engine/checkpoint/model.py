@@ -16,6 +16,7 @@ from .gguf.reader import is_gguf
 from .layout import build_layout
 from .naming import ModelSchema
 from .opened import ModelCheckpoint
+from .stage import Stage
 from .quant_config import parse_quant_config
 
 # fused experts, plain or stored quantized (MXFP4 `_blocks`, compressed-tensors `_packed`)
@@ -35,14 +36,16 @@ def fused_expert_layout(names: Iterable[str], num_layers: int) -> bool:
     return False
 
 
-def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelCheckpoint:
+def open_model(path: str | os.PathLike, *, allow_cast: bool = False, stage: Stage | None = None) -> ModelCheckpoint:
     """Open a Hugging Face folder (or a GGUF file: checkpoint/gguf/) and check every tensor the config implies:
-    presence, shape, dtype."""
+    presence, shape, dtype. stage: one pipeline rank's layers (checkpoint/stage.py): the folder may then hold only
+    the shards they need (a local copy on each node); only the units the stage owns are opened and checked, and
+    the embedding where the last stage finds it (MTP layers read it)."""
     if is_gguf(path):
         from .gguf.model import open_gguf_model
 
         return open_gguf_model(path)
-    index = CheckpointIndex.open(path)
+    index = CheckpointIndex.open(path, missing_shards_ok=stage is not None)
     config_path = index.root / "config.json"
     spec = parse_config(index.config, config_path)
     arch = get_naming(spec.model_type, config_path)
@@ -56,11 +59,25 @@ def open_model(path: str | os.PathLike, *, allow_cast: bool = False) -> ModelChe
     if quant is not None:  # the architecture's MTP schema (added later: runtime/mtp.py) is quantized alike
         args = dataclasses.replace(args, formats=WeightFormats(quant, index.tensors))
     fused = fused_expert_layout(index.tensors, spec.num_layers)
-    schema, formats = quantize_schema(arch.schema(args, fused_experts=fused), quant, index.tensors)
+    schema = arch.schema(args, fused_experts=fused)
+    if stage is not None:
+        schema = stage_schema(schema, stage, index)
+    schema, formats = quantize_schema(schema, quant, index.tensors)
     _check_tensors(index, spec, schema, config_path, allow_cast)
     layouts = {key: build_layout(key, specs, index.tensors) for key, specs in schema.units.items()}
     unused = sorted(set(index.tensors) - schema.hf_names())
     return ModelCheckpoint(index.root, index, spec, arch, args, schema, layouts, fused, unused, quant, formats)
+
+
+def stage_schema(schema: ModelSchema, stage: Stage, index: CheckpointIndex) -> ModelSchema:
+    """The units `stage` owns (the last stage's embedding only where its shard is here: without it the rank runs
+    without MTP layers)."""
+    def here(specs) -> bool:
+        return all(ts.hf_name in index.tensors for ts in specs.values())
+
+    units = {key: specs for key, specs in schema.units.items()
+             if stage.owns(key) or (key.kind == "embed" and stage.last and here(specs))}
+    return dataclasses.replace(schema, units=units)
 
 
 def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema, config_path: Path,
@@ -71,6 +88,10 @@ def _check_tensors(index: CheckpointIndex, spec: ModelSpec, schema: ModelSchema,
     for key, specs in schema.units.items():
         for local, ts in specs.items():
             rec = index.tensors.get(ts.hf_name)
+            if rec is None and ts.hf_name in index.absent:
+                raise CheckpointFormatError(index.root, f"unit {key} needs shard '{index.absent[ts.hf_name].name}', "
+                                                        f"which is not in this folder", tensor=ts.hf_name,
+                                            hint="copy the shards that hold this rank's layers")
             if rec is None:
                 raise CheckpointFormatError(index.root, f"tensor missing: config.json (model_type={spec.model_type}) "
                                                         f"implies it for unit {key} with shape {list(ts.shape)}"

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ..api import Engine
 from ..assemble import EngineParts, assemble
-from ..checkpoint.model import ModelCheckpoint, open_model
+from ..checkpoint.gguf.reader import is_gguf
+from ..checkpoint.hf_config import parse_config
+from ..checkpoint.index import CheckpointIndex, load_json
+from ..checkpoint.model import open_model
 from ..checkpoint.stage import Stage
 from ..config import EngineConfig
 from ..errors import ConfigError
@@ -54,8 +58,7 @@ def stage_of(rank: int, world_size: int) -> int:
 def engine_split(path: str | os.PathLike, config: EngineConfig, world_size: int) -> list[tuple[int, int]]:
     """Layer ranges per stage for ranks alike (the same budgets and hardware): balanced bytes read per token.
     OFFLOAD_ENGINE_SPLIT ("0:2,2:4": stage by stage) sets them instead."""
-    checkpoint = open_model(path, allow_cast=config.allow_cast)
-    n = checkpoint.spec.num_layers
+    n = layer_count(path, config.allow_cast)
     text = os.environ.get("OFFLOAD_ENGINE_SPLIT")
     if text:
         try:
@@ -69,12 +72,24 @@ def engine_split(path: str | os.PathLike, config: EngineConfig, world_size: int)
             raise ConfigError(f"--split / OFFLOAD_ENGINE_SPLIT {text!r}: {world_size} contiguous ranges covering "
                               f"layers 0-{n - 1} expected")
         return [(s.start, s.stop) for s in stages]
+    if not is_gguf(path) and CheckpointIndex.open(path, missing_shards_ok=True).absent:
+        raise ConfigError(f"{path} holds only some of the checkpoint's shards (a rank's local copy): pass --split "
+                          f"(e.g. from `plan --ranks`) so that each rank knows its layers without the others' files")
+    checkpoint = open_model(path, allow_cast=config.allow_cast)
     if config.speculative.mode in ("auto", "mtp"):
         checkpoint = attach_mtp_units(checkpoint)
     units = {key: layout.nbytes for key, layout in checkpoint.layouts.items()}
     layers, extras = layer_costs(units, checkpoint.spec, 1, 4)  # the weights decide: KV is alike per layer
     ranks = [RankSpec(f"stage {s}", (Tier(None, 1.0),), 1.0) for s in range(world_size)]
     return split_layers(layers, ranks, extras).ranges
+
+
+def layer_count(path: str | os.PathLike, allow_cast: bool) -> int:
+    """The model's decoder layers, from config.json alone (a rank's folder may hold only its own shards)."""
+    if is_gguf(path):
+        return open_model(path, allow_cast=allow_cast).spec.num_layers
+    config = Path(path) / "config.json"
+    return parse_config(load_json(config, "config.json"), config).num_layers
 
 
 def open_rank(path: str | os.PathLike, config: EngineConfig, topology: Topology | None = None, *,
@@ -94,7 +109,7 @@ def open_rank(path: str | os.PathLike, config: EngineConfig, topology: Topology 
     try:
         if world > 1:
             start, stop = engine_split(path, config, world)[stage_of(rank, world)]
-            stage = Stage(start, stop, open_model(path, allow_cast=config.allow_cast).spec.num_layers)
+            stage = Stage(start, stop, layer_count(path, config.allow_cast))
         parts = assemble(path, config, stage=stage)
     except Exception as e:  # every rank learns which one could not open, then each raises
         failure = f"{type(e).__name__}: {e}"
