@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -46,6 +49,27 @@ def test_run_with_devices_prints_the_single_process_result(checkpoint_factory):
     assert all(r["peak_bytes"]["host"] <= r["budget_bytes"]["host"] for r in ranks)
     bad = subprocess.run(command + ["--devices", "cpu,gpu"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "--devices" in bad.stderr
+
+
+def test_torchrun_runs_the_ranks_as_the_single_process_command_does(checkpoint_factory):
+    """`torchrun --standalone --nproc-per-node 2 $(which offload-engine) run ... --json` (the issue's command):
+    rank 0 prints the one result, the single process's tokens, with world_size 2 in its stats."""
+    torchrun, script = (Path(sys.executable).with_name(n) for n in ("torchrun", "offload-engine"))
+    if not (torchrun.is_file() and script.is_file()):
+        pytest.skip("torchrun or the offload-engine script is not beside this Python")
+    path = str(checkpoint_factory("qwen3_moe"))
+    args = ["run", "--model", path, "--prompt", "def f(x):", "--max-new-tokens", "4", "--json", "--quiet",
+            "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    one = subprocess.run([sys.executable, "-m", "offload_engine.cli", *args], capture_output=True, text=True,
+                         timeout=120, env=env)
+    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), *args],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    lines = [line for line in two.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    single, ranked = json.loads(one.stdout), json.loads(lines[0])
+    assert ranked["token_ids"] == single["token_ids"] and ranked["stats"]["world_size"] == 2
 
 
 class FailingReader:
