@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -60,18 +61,29 @@ class Slot:
         `prepare` derives from them, built with them)."""
         cached = self.views
         if cached is None or cached[0] != (layout.key, self.offset, self.fills):
-            if prepare is not None:
-                prepare.drop(self)
-            self.views = None  # the old unit's views (and what was derived from them) go now
-            views = layout.views(self.blob[self.offset:])
-            cast = frozenset(k for k, v in views.items()
-                             if v.is_floating_point() and v.dtype != dtype and not keeps_stored_dtype(k))
-            if prepare is not None:
-                views = prepare.add(self, views, dtype, self.blob[self.offset + layout.nbytes:])
-            cached = self.views = ((layout.key, self.offset, self.fills), views, cast)
+            if prepare is None:
+                cached = self._build_views(layout, dtype, None)
+            else:
+                with prepare.lock:  # forms written in place must be written once: the check again, under the lock
+                    cached = self.views
+                    if cached is None or cached[0] != (layout.key, self.offset, self.fills):
+                        cached = self._build_views(layout, dtype, prepare)
         _, views, cast = cached
         # a copy: callers may rebind entries, never the slot's cached views
         return {k: (v.to(dtype) if k in cast else v) for k, v in views.items()} if cast else dict(views)
+
+    def _build_views(self, layout: UnitLayout, dtype: torch.dtype, prepare: "Prepared | None"):
+        """Views of this fill's unit (and its kernel forms), cached on the slot."""
+        if prepare is not None:
+            prepare.drop(self)
+        self.views = None  # the old unit's views (and what was derived from them) go now
+        views = layout.views(self.blob[self.offset:])
+        cast = frozenset(k for k, v in views.items()
+                         if v.is_floating_point() and v.dtype != dtype and not keeps_stored_dtype(k))
+        if prepare is not None:
+            views = prepare.add(self, views, dtype, self.blob[self.offset + layout.nbytes:])
+        self.views = ((layout.key, self.offset, self.fills), views, cast)
+        return self.views
 
 
 @dataclass(eq=False)
@@ -90,6 +102,7 @@ class Prepared:
     hook: Any
     ledger: Ledger
     in_place_tiers: frozenset[str] = frozenset()
+    lock: threading.Lock = field(default_factory=threading.Lock)
     built: int = 0  # units given kernel forms
     in_place: int = 0  # of which written over their stored data and carved from their slot's tail
     declined: int = 0  # units computed without their derived tensors for want of budget
