@@ -8,9 +8,9 @@ unit's bytes. The planner sizes every slot of a kind for its unit plus that tail
 run computes every unit with the kernel and its budget still holds: the figure here is what both the planner
 and the store's carving use, one formula for both.
 
-fp8 weights have no CPU kernel: their form is the dense matrix in the compute dtype ("cpu_dense", dequantized
-once when the unit lands instead of at every use: 1.6-2.7 ms per bench expert, several disk reads of it). The stored
-data (one byte a value) holds its first rows in place and the tail the rest, so the slot costs what the
+fp8 weights have no CPU kernel: their form is the dense matrix in the compute dtype ("cpu_dense"), dequantized
+once when the unit lands instead of at every use (1.6-2.7 ms per bench expert: several disk reads of it). The
+stored data (one byte a value) holds its first rows in place and the tail the rest, so the slot costs what the
 dense checkpoint's unit would (plus the scales), while a miss reads half (bf16) of its bytes.
 
 A pure function of the QuantSpec: whether torch has the kernels at all is the runtime's question
