@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SDIST_VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what the figures were measured with
-TARGETS = ("llama-bench", "llama-quantize")
+TARGETS = ("llama-bench", "llama-quantize", "llama-completion")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
 QUANT_TYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q6_K")
@@ -54,7 +54,7 @@ def bin_dir(version: str = SDIST_VERSION) -> Path:
 
 
 def built(version: str = SDIST_VERSION) -> Path | None:
-    """The folder holding llama-bench and llama-quantize when both are built, else None (nothing is started)."""
+    """The folder holding the TARGETS when all are built, else None (nothing is started)."""
     d = bin_dir(version)
     return d if all((d / t).is_file() and os.access(d / t, os.X_OK) for t in TARGETS) else None
 
@@ -172,6 +172,19 @@ class BenchResult:
     tok_s_stddev: float
     samples_tok_s: list[float]
     build_commit: str
+
+
+def complete(gguf: str | os.PathLike, prompt: str, n: int, threads: int = 2, version: str = SDIST_VERSION) -> bytes:
+    """llama.cpp's greedy continuation of `prompt` (its raw bytes: a token may end inside a UTF-8 sequence).
+    `-nr` (no weight repacking) keeps it off the AMX tile kernels, which die with SIGILL in VMs that do not grant
+    the tile state (seen here: tinygemm_kernel_amx, `tilezero`)."""
+    tool = ensure_built(version) / "llama-completion"
+    proc = subprocess.run([str(tool), "-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos",
+                           "-no-cnv", "--no-warmup", "-nr", "-t", str(threads)], capture_output=True)
+    if proc.returncode or not proc.stdout.startswith(prompt.encode()):
+        raise LlamaPeerError(f"llama-completion {gguf} failed (exit {proc.returncode}):\n"
+                             f"{proc.stderr.decode(errors='replace')[-3000:]}")
+    return proc.stdout[len(prompt.encode()):]
 
 
 def run_bench(gguf: str | os.PathLike, threads: int, n_gen: int = 32, repetitions: int = 3,
