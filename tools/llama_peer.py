@@ -180,7 +180,8 @@ def complete(gguf: str | os.PathLike, prompt: str, n: int, threads: int = 2, ver
     the tile state (seen here: tinygemm_kernel_amx, `tilezero`)."""
     tool = ensure_built(version) / "llama-completion"
     proc = subprocess.run([str(tool), "-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos",
-                           "-no-cnv", "--no-warmup", "-nr", "-t", str(threads)], capture_output=True)
+                           "-no-cnv", "--no-warmup", "-nr", "-t", str(threads)], capture_output=True,
+                          stdin=subprocess.DEVNULL)
     if proc.returncode or not proc.stdout.startswith(prompt.encode()):
         raise LlamaPeerError(f"llama-completion {gguf} failed (exit {proc.returncode}):\n"
                              f"{proc.stderr.decode(errors='replace')[-3000:]}")

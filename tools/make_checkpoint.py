@@ -173,7 +173,10 @@ def arch_config(arch: str, p: Preset, vocab: int, eot: int, mtp_layers: int = 1)
             **kw, n_routed_experts=p.experts, num_experts_per_tok=p.top_k, moe_intermediate_size=p.moe_intermediate,
             n_shared_experts=1, n_group=n_group, topk_group=n_group // 2, first_k_dense_replace=p.dense_layers,
             routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=p.hidden // 2, kv_lora_rank=p.hidden // 2,
-            qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim)
+            qk_nope_head_dim=p.head_dim, qk_rope_head_dim=p.head_dim // 2, v_head_dim=p.head_dim,
+            # as the releases' config.json says: transformers implies them and does not save them otherwise, and
+            # without them llama.cpp's converter leaves the GGUF's gating at deepseek2's softmax
+            scoring_func="sigmoid", topk_method="noaux_tc")
     if arch in HYBRID_ARCHS:
         return hybrid_config(arch, p, kw, moe, dense, mtp_layers)
     if arch == "gpt_oss":  # sinks, biases, clamped SwiGLU, YaRN; a 4-position window so short prompts slide

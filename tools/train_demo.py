@@ -93,6 +93,8 @@ def model_config(c: TrainConfig, vocab: int, eot: int):
         num_attention_heads=c.heads, num_key_value_heads=c.heads, n_routed_experts=c.experts,
         num_experts_per_tok=c.top_k, moe_intermediate_size=c.moe_intermediate, n_shared_experts=1,
         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+        # as the releases' config.json says (transformers implies them; llama.cpp's converter reads them)
+        scoring_func="sigmoid", topk_method="noaux_tc",
         q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         max_position_embeddings=2048, rope_theta=10000.0, initializer_range=0.02, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, num_nextn_predict_layers=1)
