@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, OffloadEngineError
+from ..constants import seconds_from_env
 
 HEADER = 8  # int64 slots of every message's header: op, then the op's numbers
 RANK_TIMEOUT_S = 60.0  # default: a transfer within a request waits this long (OFFLOAD_ENGINE_RANK_TIMEOUT)
@@ -51,16 +52,8 @@ class Topology:
 
 
 def rank_timeout_from_env() -> float:
-    text = os.environ.get("OFFLOAD_ENGINE_RANK_TIMEOUT")
-    if text is None:
-        return RANK_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ConfigError(f"OFFLOAD_ENGINE_RANK_TIMEOUT must be a positive number of seconds, got {text!r}")
-    return value
+    """OFFLOAD_ENGINE_RANK_TIMEOUT: seconds a transfer between ranks may wait (default RANK_TIMEOUT_S)."""
+    return seconds_from_env("OFFLOAD_ENGINE_RANK_TIMEOUT", RANK_TIMEOUT_S)
 
 
 def env_topology(device: str | None = None) -> Topology | None:

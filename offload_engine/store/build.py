@@ -8,7 +8,7 @@ import torch
 
 from ..checkpoint.layout import UnitLayout
 from ..checkpoint.model import ModelCheckpoint
-from ..constants import READER_THREADS, STALL_TIMEOUT_S
+from ..constants import READER_THREADS, STALL_TIMEOUT_S, seconds_from_env
 from ..errors import ConfigError
 from ..planner.placement import Placement, ResolvedBudget, bounce_bytes, place
 from .ledger import Ledger
@@ -33,16 +33,7 @@ def stall_timeout_from_env() -> float:
     """OFFLOAD_ENGINE_STALL_TIMEOUT: seconds without any read progress before a request fails with an
     IOStallError (default STALL_TIMEOUT_S; the watchdog measures progress, so slow disks that keep delivering
     never trip it)."""
-    text = os.environ.get("OFFLOAD_ENGINE_STALL_TIMEOUT")
-    if text is None:
-        return STALL_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:  # also rejects nan
-        raise ConfigError(f"OFFLOAD_ENGINE_STALL_TIMEOUT must be a positive number of seconds, got {text!r}")
-    return value
+    return seconds_from_env("OFFLOAD_ENGINE_STALL_TIMEOUT", STALL_TIMEOUT_S)
 
 
 def gds_from_env() -> bool:
