@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
-from offload_engine import Budget, Engine
+from offload_engine import Engine
 from offload_engine.checkpoint.model import open_model
 from offload_engine.errors import CheckpointError, ConfigError
 from offload_engine.runtime import gguf_dequant
 from offload_engine.tokenizer import Tokenizer
+from tests.test_formats_parity import check_against  # logits and greedy tokens at each budget
 from tools.gguf_from_hf import write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -60,29 +60,6 @@ def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
 
 def prompt(vocab: int) -> list[int]:
     return torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
-
-
-def check_against(gguf_path: Path, ref_folder: Path, budgets: tuple) -> None:
-    """Engine logits on the GGUF equal transformers on `ref_folder` (fp32, 1e-4 x max|logit|), greedy identical,
-    fully resident and at a quarter of the model's size."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
-    ids = prompt(ref.config.vocab_size)
-    with torch.no_grad():
-        theirs = ref(torch.tensor([ids])).logits[0].float()
-        expected = ref.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                eos_token_id=None)[0, PROMPT_LEN:].tolist()
-    assert len(set(expected)) > 1, "degenerate random model"
-    for ram in budgets:
-        with Engine.open(gguf_path, budget=Budget(ram=ram), dtype="float32",
-                         max_context=PROMPT_LEN + NEW_TOKENS) as engine:
-            ours = engine.logits(ids)
-            scale, diff = theirs.abs().max().item(), (ours - theirs).abs().max().item()
-            assert diff <= 1e-4 * scale, f"ram={ram}: max |diff| {diff:.3g} > 1e-4 x max|logit| {scale:.3g}"
-            done = engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-            assert done.token_ids == expected, ram
-            if ram is not None:  # the budget streamed the experts from the file and held
-                assert done.stats["bytes_read_disk"] > 0
-                assert done.stats["peak_bytes"]["host"] <= done.stats["budget_bytes"]["host"]
 
 
 def dequantized_folder(src: Path, gguf_path: Path, out: Path) -> Path:

@@ -18,19 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from offload_engine import Engine  # noqa: E402
+from offload_engine.generate.prefix_cache import common_prefix  # noqa: E402
 from tools.llama_peer import complete, convert, quantize  # noqa: E402
 
 PROMPTS = ("import json\n\n\ndef read_config(path):\n", "class Stack:\n    def __init__(self):\n",
            "def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n")
-
-
-def agreeing_bytes(a: bytes, b: bytes) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                 ids = engine.tokenizer.encode(prompt)
                 mine = engine.tokenizer.decode(
                     engine.generate(ids, max_new_tokens=a.tokens, ignore_eos=True).token_ids).encode()
-                theirs = complete(gguf, prompt, a.tokens)
+                theirs = complete(gguf, prompt, a.tokens)  # engine and llama.cpp alike: N tokens
                 # the engine's text replaces a token's partial UTF-8 with U+FFFD: compare up to the first one
-                rows.append({"type": qtype, "prompt": prompt, "agreeing_bytes": agreeing_bytes(mine, theirs),
+                rows.append({"type": qtype, "prompt": prompt, "agreeing_bytes": common_prefix(mine, theirs),
                              "engine": mine.decode(errors="replace"), "llama_cpp": theirs.decode(errors="replace")})
     print(f"{'type':6} {'agree':>5}  prompt / engine / llama.cpp")
     for r in rows:
