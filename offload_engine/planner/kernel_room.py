@@ -79,9 +79,11 @@ def tail_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
 
 def data_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
     """The kernel form's data: written over the stored data in place, or a copy where that is not allowed (the
-    dense form: its whole matrix, the tail's rows included)."""
+    dense form: its whole matrix, the tail's rows included; int-quantized int8 is used as stored: none)."""
     if path == "cpu_dense":
         return q.out * q.inp * itemsize - tail_bytes(q, path, itemsize)
+    if path == "cpu_int8" and q.kind == "ct_naive":
+        return 0
     return q.out * q.inp // 2 if path == "cpu_int4" else q.out * q.inp
 
 

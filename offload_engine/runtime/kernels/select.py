@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from ...checkpoint.formats import PRIMARY, QuantSpec, part_name
 from ...checkpoint.layout import UnitLayout
+from ...planner.kernel_room import (ALIGN, aligned, cpu_path, data_bytes, dense_rows_in_place, quantized_specs,
+                                    tail_bytes, unit_room)
 from ...planner.placement import ROW_KINDS
-from ...planner.kernel_room import (ALIGN, cpu_path, data_bytes, dense_rows_in_place, quantized_specs, tail_bytes,
-                                    unit_room)
 from .. import dequant
 from . import cpu_int, fp8, triton_int
 
@@ -58,6 +58,14 @@ class Planned:
         return self.tail + self.copy
 
 
+def laid_into(region: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into the first bytes of the uint8 `region` (which holds at least as many), as a view of them."""
+    dst = region[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    if dst.data_ptr() != t.data_ptr():
+        dst.copy_(t)
+    return dst
+
+
 class Carver:
     """Tensors carved from a slot's tail (`room`, uint8), each on an ALIGN boundary of its address."""
 
@@ -68,19 +76,14 @@ class Carver:
         return self.at + nbytes <= self.room.numel()
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        dst = self.room[self.at:self.at + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        self.at += -(-n // ALIGN) * ALIGN
+        dst = laid_into(self.room[self.at:], t)
+        self.at += aligned(t.numel() * t.element_size())
         return dst
 
 
 def over(data: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """`t` written over the stored tensor `data`'s bytes (t has as many or fewer), as a view of them."""
-    dst = data.reshape(-1).view(torch.uint8)[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-    if dst.data_ptr() != t.data_ptr():
-        dst.copy_(t)
-    return dst
+    return laid_into(data.reshape(-1).view(torch.uint8), t)
 
 
 def path_for(q: QuantSpec, device: torch.device) -> str | None:
@@ -124,8 +127,7 @@ class Kernels:
             if path is None:
                 continue
             if path.startswith("cpu"):
-                copy = data_bytes(q, path, itemsize) if (q.kind, path) != ("ct_naive", "cpu_int8") else 0
-                out.append(Planned(local, q, path, tail_bytes(q, path, itemsize), copy))
+                out.append(Planned(local, q, path, tail_bytes(q, path, itemsize), data_bytes(q, path, itemsize)))
             else:
                 out.append(Planned(local, q, path, 0, 0))
         return out
@@ -138,26 +140,26 @@ class Kernels:
         """The kernel forms of the planned weights. With `carver` (the slot's tail, sized by the planner for
         them) their data is written over the stored data in place and their other tensors carved from the tail;
         every form is computed before any stored byte is overwritten, so a failure leaves the unit as read."""
-        forms: list[tuple[Planned, torch.Tensor, dict[str, torch.Tensor]]] = []
+        forms: list[tuple[Planned, str, torch.Tensor, dict[str, torch.Tensor]]] = []
         unused = 0
         for p in planned:
-            data = next(v for k, v in views.items() if k.startswith(p.local + PRIMARY))
+            stored = next(k for k in views if k.startswith(p.local + PRIMARY))
+            data = views[stored]
             parts = {"data": data, "scale": views.get(part_name(p.local, "scale")),
                      "zero": views.get(part_name(p.local, "zero")), "g_idx": views.get(part_name(p.local, "g_idx"))}
             got = _build(p, parts, dtype)
             if got is None:
                 unused += p.nbytes
             else:
-                forms.append((p, data, {p.local + suffix: t for suffix, t in got.items() if t is not None}))
+                forms.append((p, stored, data, {p.local + suffix: t for suffix, t in got.items() if t is not None}))
         built = Built({}, unused, [])
-        for p, data, tensors in forms:
+        for p, stored, data, tensors in forms:
             if carver is not None and p.path == "cpu_dense":  # first rows over the data, the rest in the tail
-                stored = next(k for k in views if k.startswith(p.local + PRIMARY))
-                full, rows = tensors[p.local + W], dense_rows_in_place(p.q, tensors[p.local + W].element_size())
+                full = tensors[p.local + W]
+                rows = dense_rows_in_place(p.q, full.element_size())
                 tensors = {p.local + W: over(data, full[:rows]), p.local + D: carver.place(full[rows:])}
                 built.replaced.append(stored)
             elif carver is not None and p.path.startswith("cpu"):
-                stored = next(k for k in views if k.startswith(p.local + PRIMARY))
                 kernel_data = tensors[p.local + W]
                 tensors[p.local + W] = over(data, kernel_data)
                 if kernel_data.data_ptr() != data.data_ptr():
