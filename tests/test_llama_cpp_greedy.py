@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from offload_engine import Engine
+from offload_engine.generate.prefix_cache import common_prefix
 from tests.conftest import ROOT
 from tools import llama_peer
-from tools.llama_compare import PROMPTS, agreeing_bytes
+from tools.llama_compare import PROMPTS
 
 TOKENS = 24
 DEMO = ROOT / "offload_engine" / "data" / "demo-model"
@@ -34,17 +35,18 @@ def continuations(gguf) -> list[tuple[bytes, bytes]]:
         for prompt in PROMPTS:
             ids = engine.tokenizer.encode(prompt)
             mine = engine.tokenizer.decode(engine.generate(ids, max_new_tokens=TOKENS, ignore_eos=True).token_ids)
-            out.append((mine.encode(), llama_peer.complete(gguf, prompt, TOKENS)))
+            # llama.cpp generates a few more tokens: a tail its log thread loses at exit then cuts only those
+            out.append((mine.encode(), llama_peer.complete(gguf, prompt, TOKENS + 8)))
         return out
 
 
 def test_f32_greedy_text_equals_llama_cpp(ggufs):
     for mine, theirs in continuations(ggufs["f32"]):
-        assert theirs.startswith(mine), (mine, theirs)  # llama-completion ends its output with blank lines
+        assert theirs.startswith(mine), (mine, theirs)  # the engine decodes a cut UTF-8 sequence to U+FFFD
 
 
 def test_q8_0_greedy_text_mostly_equals_llama_cpp(ggufs):
     pairs = continuations(ggufs["Q8_0"])
     full = sum(theirs.startswith(mine) for mine, theirs in pairs)
-    assert full >= len(pairs) // 2, [agreeing_bytes(m, t) for m, t in pairs]
-    assert all(agreeing_bytes(m, t) >= 8 for m, t in pairs)
+    assert full >= len(pairs) // 2, [common_prefix(m, t) for m, t in pairs]
+    assert all(common_prefix(m, t) >= 8 for m, t in pairs)

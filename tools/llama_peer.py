@@ -177,15 +177,23 @@ class BenchResult:
 def complete(gguf: str | os.PathLike, prompt: str, n: int, threads: int = 2, version: str = SDIST_VERSION) -> bytes:
     """llama.cpp's greedy continuation of `prompt` (its raw bytes: a token may end inside a UTF-8 sequence).
     `-nr` (no weight repacking) keeps it off the AMX tile kernels, which die with SIGILL in VMs that do not grant
-    the tile state (seen here: tinygemm_kernel_amx, `tilezero`)."""
+    the tile state (seen here: tinygemm_kernel_amx, `tilezero`). llama-completion prints through an asynchronous
+    log thread that can lose the end of its output when the process exits: a complete run ends with the blank
+    line it logs after generating, so a run without it is repeated (5 tries, then the longest output is returned;
+    callers that compare N tokens ask for a few more, so that a lost tail cuts only those)."""
     tool = ensure_built(version) / "llama-completion"
-    proc = subprocess.run([str(tool), "-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos",
-                           "-no-cnv", "--no-warmup", "-nr", "-t", str(threads)], capture_output=True,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode or not proc.stdout.startswith(prompt.encode()):
-        raise LlamaPeerError(f"llama-completion {gguf} failed (exit {proc.returncode}):\n"
-                             f"{proc.stderr.decode(errors='replace')[-3000:]}")
-    return proc.stdout[len(prompt.encode()):]
+    cmd = [str(tool), "-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos", "-no-cnv",
+           "--no-warmup", "-nr", "-t", str(threads)]
+    longest = b""
+    for _ in range(5):
+        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL)
+        if proc.returncode or not proc.stdout.startswith(prompt.encode()):
+            raise LlamaPeerError(f"llama-completion {gguf} failed (exit {proc.returncode}):\n"
+                                 f"{proc.stderr.decode(errors='replace')[-3000:]}")
+        if proc.stdout.endswith(b"\n\n"):
+            return proc.stdout[len(prompt.encode()):-2]
+        longest = max(longest, proc.stdout[len(prompt.encode()):], key=len)
+    return longest
 
 
 def run_bench(gguf: str | os.PathLike, threads: int, n_gen: int = 32, repetitions: int = 3,
