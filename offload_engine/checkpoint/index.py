@@ -251,7 +251,7 @@ def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int
         pos, prev = end, name
     if pos < data_len:
         raise CheckpointFormatError(path, f"data section not fully covered: {data_len - pos} trailing bytes after the "
-                                          f"last tensor", offset=pos)
+                                          f"last tensor", tensor=prev, offset=pos)  # the one they follow (or shrank)
 
 
 JSON_CAP = 100 * 1024 * 1024  # config / index files; real ones are a few MB at most
