@@ -277,6 +277,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.model.kv_dtype,
+            "cpu_kernels": self.model.kernels.describe() if self.model.kernels is not None else None,
         }
 
 

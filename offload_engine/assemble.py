@@ -36,6 +36,8 @@ from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
 from .prefetch.prefetcher import PrefetchConfig, Prefetcher
 from .runtime.arch import build_ops
 from .runtime.host_compute import HostCompute, measure_machine
+from .runtime.kernels.decode import DecodeKernels, expert_shape, plain_float_shapes
+from .runtime.kernels.decode import choose as choose_decode_kernels
 from .runtime.kernels.select import Kernels, slot_room
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
@@ -137,7 +139,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
                                                     stage.layers if stage is not None else None),
                          host_compute=make_host_compute(config.host_compute, rates, store),
                          routing_trace=[] if config.record_routing else None, kv_dtype=config.kv_dtype,
-                         stage=stage)
+                         stage=stage, kernels=_decode_kernels(checkpoint, device, dtype, config))
         if mode == "mtp" and last and not mtp_supported(model):
             raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                               f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
@@ -182,6 +184,18 @@ def make_prefetcher(checkpoint: ModelCheckpoint, ops: Any, store: TieredStore, c
     chosen = {"combined": lambda: Combined(lookahead, prior), "lookahead": lambda: lookahead,
               "prior": lambda: prior}[predictor]()
     return Prefetcher(store, chosen, moe_layers, layers.stop, config, first_layer=layers.start)
+
+
+def _decode_kernels(checkpoint: ModelCheckpoint, device: torch.device, dtype: torch.dtype, config: EngineConfig
+                    ) -> DecodeKernels | None:
+    """The native CPU kernels for a bf16 decode on the CPU, chosen per weight shape (runtime/kernels/decode.py);
+    None on CUDA, in float32 (the parity tests' dtype) and with --kernels dequantize."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or config.kernels != "auto":
+        return None
+    layouts = checkpoint.layouts.values()
+    spec = checkpoint.spec
+    return choose_decode_kernels(plain_float_shapes(layouts),
+                                 expert_shape(layouts, spec.num_experts_per_tok, spec.hidden_act))
 
 
 def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:

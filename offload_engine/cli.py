@@ -322,7 +322,15 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
             f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
-            f"{stats['device']} {stats['dtype']}{kv}]")
+            f"{stats['device']} {stats['dtype']}{kv}{_native(stats.get('cpu_kernels'))}]")
+
+
+def _native(kernels: dict | None) -> str:
+    """', native kernels: N shapes + experts' where the CPU decode takes the engine's own kernels."""
+    if not kernels or not (kernels["native_linear"] or kernels["native_experts"]):
+        return ""
+    experts = " + experts" if kernels["native_experts"] else ""
+    return f", native kernels: {len(kernels['native_linear'])} shapes{experts}"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..checkpoint.formats import PRIMARY, decode, part_name
 from . import dequant, gguf_dequant
+from .kernels import decode as decode_kernels
 from .kernels.select import W as KERNEL_FORM
 from .kernels.select import fast_linear, kernel_dense
 
@@ -87,9 +88,15 @@ def embedding(w: Weights, name: str, tokens: torch.Tensor, dtype: torch.dtype) -
 
 
 def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
-    """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in."""
-    y = fast_linear(x, w, name) if name not in w else None
+    """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in; a
+    plain weight takes the native decode kernel where it was chosen for its shape (kernels/decode.py)."""
+    plain = w.get(name)
+    if plain is not None:
+        kernels = decode_kernels.active.get()
+        y = kernels.linear(x, plain) if kernels is not None else None
+    else:
+        y = fast_linear(x, w, name)
     if y is None:
-        return F.linear(x, dense(w, name, x.dtype), None if bias is None else w.get(bias))
+        return F.linear(x, dense(w, name, x.dtype) if plain is None else plain, None if bias is None else w.get(bias))
     b = None if bias is None else w.get(bias)
     return y if b is None else y + b

@@ -14,10 +14,11 @@ from ..constants import PREFILL_CHUNK
 from ..errors import BudgetError, out_of_memory_as_error
 from .arch import build_ops
 from .arch.base import LayerOps
+from .kernels.decode import MAX_ROWS, DecodeKernels, using
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .host_compute import HostCompute, HostInputs
-from .moe import combine, expert_part, routed_experts
+from .moe import combine, expert_part, native_parts, routed_experts
 from .weights import Weights, WeightSource, hold, lookup
 
 
@@ -28,7 +29,7 @@ class CausalLM:
                  max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, *, ops: LayerOps | None = None,
                  prefetcher: Any = None, host_compute: HostCompute | None = None,
                  routing_trace: list[tuple[int, list[list[int]]]] | None = None, kv_dtype: str = "auto",
-                 stage: Stage | None = None):
+                 stage: Stage | None = None, kernels: DecodeKernels | None = None):
         """ops: the architecture's layer ops for this device and dtype (built from the checkpoint when None);
         prefetcher: a prefetch.Prefetcher reading the next layers' units while one computes, where weights stream
         (not imported here: prefetch/ builds on the store, which builds on runtime/weights.py); host_compute:
@@ -53,6 +54,7 @@ class CausalLM:
         self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
         self.routing_trace = routing_trace
         self.kv_dtype = kv_dtype
+        self.kernels = kernels
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
         self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -136,13 +138,18 @@ class CausalLM:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last decoder layer's output [T, H] -> float32 logits [T, V] (final norm and lm_head)."""
-        with self._unit(UnitKey(self.num_layers, "head")) as w:
+        with self._unit(UnitKey(self.num_layers, "head")) as w, using(self.kernels):
             return self.ops.logits(w, x)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
                    ) -> torch.Tensor:
         """This model's decoder layers (`self.layers`) over the residual stream x [T, H]; the cache is advanced by
         the caller, once every layer of the forward has appended to it."""
+        with using(self.kernels):
+            return self._layers(x, positions, cache, mask)
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
+                ) -> torch.Tensor:
         ops = self.ops
         prefetcher = self.prefetcher
         for layer in self.layers:
@@ -183,39 +190,75 @@ class CausalLM:
             out = combine(h, parts)
             return out if shared[0] is None else out + shared[0]
 
-        # resident experts first, the rest as their reads land
-        wait_work = None if ahead is None else lambda: ahead(output())
+        # resident experts first, the rest as their reads land; with the native grouped kernel the resident ones
+        # are computed in one call (`after_resident`), each later one as it lands
+        native = self.kernels if (self.kernels is not None and self.kernels.experts and h.dtype == torch.bfloat16
+                                  and h.device.type == "cpu" and h.shape[0] <= MAX_ROWS) else None
+        pending: list[tuple[UnitKey, tuple[torch.Tensor, ...]]] = []
+        grouping = [native is not None]
+
+        def flush() -> None:
+            if not pending:
+                return
+            try:
+                parts.update(native_parts(native, h, indices, weights, [(k.expert, m) for k, m in pending]))
+            finally:
+                self.source.release([k for k, _ in pending])
+                pending.clear()
+
+        def after_resident() -> None:
+            grouping[0] = False
+            flush()
+
+        wait_work = None if ahead is None else lambda: (flush(), ahead(output()))
         host = self.host_compute if trunk else None
         if host is not None:
             tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
             if not any(host.wants(n) for n in set(tokens.values())):
                 host = None  # auto rules the host out for this forward: nothing to stage, nothing to ask
-        if host is None:
-            units = self.source.acquire(keys, wait_work)
-        else:
-            units = self.source.acquire(keys, wait_work, on_host=lambda key: host.wants(tokens[key.expert]))
+        on_host = None if host is None else (lambda key: host.wants(tokens[key.expert]))
+        units = self.source.acquire(keys, wait_work, on_host=on_host,
+                                    after_resident=after_resident if native is not None else None)
         # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
         # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
         staged = HostInputs.stage(h, indices, weights) if host is not None and h.device.type == "cuda" else None
         elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the routing's inputs, moved once
-        for key, ew in units:
-            try:
-                where = next(iter(ew.values())).device
-                if where == h.device:
-                    parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
-                else:  # handed over from the host tier to be computed there
-                    start = time.perf_counter()
-                    if where not in elsewhere:
-                        elsewhere[where] = (staged.wait() if staged is not None and where.type == "cpu"
-                                            else (h.to(where), indices.to(where), weights.to(where)))
-                    tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
-                    parts[key.expert] = (tok.to(h.device), y.to(h.device))
-                    took = time.perf_counter() - start
-                    self.host_compute_s += took
-                    host.observe(took, tokens[key.expert])
-            finally:
-                self.source.release([key])  # frees the slot for the next expert's read
+        try:
+            for key, ew in units:
+                mats = self.ops.gated_silu(ew) if native is not None else None
+                if mats is not None and mats[0].device == h.device:
+                    pending.append((key, mats))
+                    if not grouping[0]:
+                        flush()
+                    continue
+                self._expert(key, ew, h, indices, weights, parts, elsewhere, staged, host, tokens if host else None)
+            flush()
+        finally:
+            if pending:  # a failure: what was held and not computed is given back
+                self.source.release([k for k, _ in pending])
         return output()
+
+    def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                parts: dict, elsewhere: dict, staged: HostInputs | None, host: HostCompute | None,
+                tokens: Counter | None) -> None:
+        """One routed expert's part by the torch path, on the compute device or where the host tier holds it;
+        the unit is released whatever happens."""
+        try:
+            where = next(iter(ew.values())).device
+            if where == h.device:
+                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
+            else:  # handed over from the host tier to be computed there
+                start = time.perf_counter()
+                if where not in elsewhere:
+                    elsewhere[where] = (staged.wait() if staged is not None and where.type == "cpu"
+                                        else (h.to(where), indices.to(where), weights.to(where)))
+                tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
+                parts[key.expert] = (tok.to(h.device), y.to(h.device))
+                took = time.perf_counter() - start
+                self.host_compute_s += took
+                host.observe(took, tokens[key.expert])
+        finally:
+            self.source.release([key])  # frees the slot for the next expert's read
 
     def _route_ahead(self, layer: int, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         """What layer `layer` does while it waits for expert reads: predict the routing of the next MoE layers

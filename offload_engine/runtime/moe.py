@@ -50,6 +50,30 @@ def expert_part(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, e
     return tok, expert_fn(w, x[tok]) * weights[tok, slot, None].to(x.dtype)
 
 
+def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 experts: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """expert_part for several experts in one native call (kernels: a kernels.decode.DecodeKernels): experts lists
+    (expert, its plain (gate, up, down)). Each expert's part is the same bits computed alone or with others."""
+    xs, ws, rows = [], [], []
+    if x.shape[0] == 1:
+        routed = indices[0].tolist()
+        for e, _ in experts:
+            slot = routed.index(e)
+            xs.append(x)
+            ws.append(weights[0, slot:slot + 1].to(x.dtype))
+            rows.append(_ROW0)
+    else:
+        for e, _ in experts:
+            tok, slot = torch.where(indices == e)
+            xs.append(x[tok])
+            ws.append(weights[tok, slot].to(x.dtype))
+            rows.append(tok)
+    ys = kernels.module.experts(xs, [m[0] for _, m in experts], [m[1] for _, m in experts],
+                                [m[2] for _, m in experts], ws)
+    return {e: (tok, y) for (e, _), tok, y in zip(experts, rows, ys)}
+
+
 def combine(x: torch.Tensor, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Sum the experts' parts in ascending expert order (arrival order must not change the bits)."""
     out = torch.zeros_like(x)

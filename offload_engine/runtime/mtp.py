@@ -45,6 +45,7 @@ from ..checkpoint.layout import build_layout
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
 from ..errors import CheckpointFormatError
+from .kernels.decode import using
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .weights import hold, lookup
@@ -142,14 +143,14 @@ class MtpHead:
         T = tokens.shape[0]
         mask = causal_mask(torch.arange(cache.length, cache.length + T, device=device), cache.length + T)
         embedded = lookup(model.source, UnitKey(-1, "embed"), tokens, ops.embed)
-        with self._unit(UnitKey(layer, "mtp")) as w:
+        with self._unit(UnitKey(layer, "mtp")) as w, using(model.kernels):
             x = ops.mtp_input(w, embedded, hidden.to(embedded.dtype))
             x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
             h = ops.post_norm(layer, w, x)
             x = x + self._moe(layer, w, h)
             out = ops.mtp_output(w, x)
         cache.advance(T)
-        with self._unit(UnitKey(self.base, "head")) as w:
+        with self._unit(UnitKey(self.base, "head")) as w, using(model.kernels):
             logits = ops.head_logits(w, out)
         return logits, out
 

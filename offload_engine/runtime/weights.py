@@ -2,7 +2,8 @@
 
 `acquire` yields units resident first and the others as they become available; the caller computes on each as
 it arrives and calls `release` when done, after which the source may evict them. A source that would block on
-reads first calls the caller's `while_waiting` (once), so the caller can use the wait. A source may also offer
+reads first calls the caller's `while_waiting` (once), so the caller can use the wait; `after_resident` (once)
+when the units it held at the call have all been handed over. A source may also offer
 `rows(key, ids)`: the rows a lookup needs of a table it does not hold whole (the embedding; see `lookup`).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["Weights", "WeightSource", "hold", "lookup"]
 
 class WeightSource(Protocol):
     def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
-                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]: ...
+                on_host: Callable[[UnitKey], bool] | None = None,
+                after_resident: Callable[[], None] | None = None) -> Iterator[tuple[UnitKey, Weights]]: ...
     def release(self, keys: Sequence[UnitKey]) -> None: ...
 
 

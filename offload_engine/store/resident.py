@@ -37,11 +37,14 @@ class ResidentWeights:
             self.files.close()
 
     def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
-                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
+                on_host: Callable[[UnitKey], bool] | None = None,
+                after_resident: Callable[[], None] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
         """Everything is resident: nothing is ever waited for (`while_waiting` is never called) nor held
-        elsewhere (`on_host` is never asked)."""
+        elsewhere (`on_host` is never asked); `after_resident` is called after the last unit."""
         for key in keys:
             yield key, self.units[key]
+        if after_resident is not None:
+            after_resident()
 
     def release(self, keys: Sequence[UnitKey]) -> None:
         pass

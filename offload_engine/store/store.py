@@ -121,7 +121,8 @@ class TieredStore:
 
     # ---- public API -------------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[UnitKey], while_waiting: Callable[[], None] | None = None,
-                on_host: Callable[[UnitKey], bool] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
+                on_host: Callable[[UnitKey], bool] | None = None,
+                after_resident: Callable[[], None] | None = None) -> Iterator[tuple[UnitKey, Weights]]:
         """Yield (key, weights) for every key: resident first, the rest as they land. Release each when done.
         Recency follows the order of `keys` (the last one is the most recently used), not the order the units
         land in: the caller knows which units its sequence used last (runtime.moe.routed_experts).
@@ -132,7 +133,12 @@ class TieredStore:
 
         on_host: for a key the compute tier lacks and the host tier holds, whether the caller computes it there:
         then its host-tier views are handed over (on the host's device) and nothing is copied or read
-        (runtime.host_compute)."""
+        (runtime.host_compute).
+
+        after_resident: called once, on the caller's thread, when the units ready at the call have all been
+        handed over and before any read is awaited: the caller may hold those and compute them together (one
+        grouped kernel), releasing them in this call, so that the reads that follow find the slots as they would
+        had each been released as it was used."""
         keys = list(dict.fromkeys(keys))
         ready: list[tuple[UnitKey, Slot]] = []
         waiting: list[UnitKey] = []
@@ -170,6 +176,8 @@ class TieredStore:
             for key, slot in ready:
                 owed.discard(key)
                 yield key, self._views(slot, key)
+            if after_resident is not None:
+                after_resident()
             while waiting or inflight:
                 self._schedule(waiting, inflight, owed, own)
                 if not inflight:

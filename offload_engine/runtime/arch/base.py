@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Mapping, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
@@ -43,10 +42,9 @@ class LayerOps(Protocol):
 
 
 def mlp(w: Weights, x: torch.Tensor, prefix: str, act) -> torch.Tensor:
-    """The gated MLP of weights `<prefix>gate`, `<prefix>up`, `<prefix>down` (any stored format)."""
-    if prefix + "gate" in w:  # plain weights: gated_mlp, as before
-        return gated_mlp(x, w[prefix + "gate"], w[prefix + "up"], w[prefix + "down"], act)
-    h = act(linear(x, w, prefix + "gate")) * linear(x, w, prefix + "up")  # quantized: a fast path may apply
+    """The gated MLP of weights `<prefix>gate`, `<prefix>up`, `<prefix>down` (any stored format: linear() takes
+    each product's fastest path, runtime/kernels/select.py and decode.py)."""
+    h = act(linear(x, w, prefix + "gate")) * linear(x, w, prefix + "up")
     return linear(h, w, prefix + "down")
 
 
@@ -165,3 +163,16 @@ class StandardOps:
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return expert_forward(w, x, self.act)
+
+    def gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A routed expert's plain (gate, up, down) where `expert` computes it as down(silu(gate x) * up x): what
+        the native grouped kernel takes (runtime/kernels/decode.py); None for quantized units or another
+        activation."""
+        if self.s.hidden_act not in ("silu", "swish") or "down" not in w:
+            return None
+        if "gate_up" in w:
+            gate, up = w["gate_up"].chunk(2, dim=0)
+            return gate, up, w["down"]
+        if "gate" in w and "up" in w:
+            return w["gate"], w["up"], w["down"]
+        return None

@@ -74,6 +74,10 @@ class GptOssOps(StandardOps):
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def gated_silu(self, w: Weights) -> None:
+        """gpt-oss's experts are a clamped, biased SwiGLU over interleaved gate/up columns: not the native kernel's."""
+        return None
+
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         if "gate_up_t" in w:  # bf16 as transformers saves it: [in, out]
             gate_up = x @ w["gate_up_t"] + w["gate_up_bias"]

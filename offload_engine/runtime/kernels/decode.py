@@ -1,0 +1,197 @@
+"""Which kernel a decode step's bfloat16 matmuls take on the CPU, chosen per weight shape by measuring at open.
+
+Decode multiplies a few rows (one token, or the k of a speculative verification) by each weight: torch's bf16
+matmul (oneDNN) or the engine's own kernels (native/bf16_cpu.cpp: one pass over a weight row for all rows of x,
+and one call for all of a layer's routed experts). Which is faster depends on the shape and the machine, so at
+open each distinct shape of the model's plain bf16 weights is timed both ways on scratch tensors of that shape
+(several copies, so that they come from memory as the weights will), interleaved, best of several rounds.
+
+The choices are stored per machine (CPU model, thread count, torch, kernel build) in
+$OFFLOAD_ENGINE_CACHE/kernels/choices.json and reused: a run takes the same kernel as the last one for the same
+shape, so results do not change from run to run with timing noise (delete the file to measure again). Every
+choice is in the stats (`cpu_kernels`). OFFLOAD_ENGINE_NATIVE=all takes the native kernels for every shape
+without measuring, =0 never (native_build.py).
+
+The runtime asks through a context variable that CausalLM sets for its forwards (`active`), so that linear()
+(runtime/linear.py) needs no new argument and engines in one process each keep their own choices.
+"""
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from . import native_build
+
+MAX_ROWS = 16  # rows of x the native kernels take (more: torch's matmul, which blocks for them)
+ROUNDS, REPEATS, COPIES_BYTES = 5, 4, 32 << 20  # per shape: ~1-3 ms of timing each way
+
+
+@dataclass
+class DecodeKernels:
+    module: ModuleType = field(repr=False)
+    native: frozenset[tuple[int, int]]  # (out, in) weight shapes the native linear is chosen for
+    experts: bool  # routed experts through native `experts` (chosen against torch's per-expert path)
+    timings: dict[str, dict[str, float]]  # shape -> {"torch_us": .., "native_us": ..}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """x @ weight.T by the native kernel where it was chosen for this shape, else None."""
+        if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2
+                or x.shape[0] > MAX_ROWS or tuple(weight.shape) not in self.native or weight.stride(1) != 1):
+            return None
+        return self.module.linear(x.contiguous(), weight)
+
+    def describe(self) -> dict:
+        return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native), "native_experts": self.experts,
+                "timings_us": self.timings}
+
+
+active: contextvars.ContextVar[DecodeKernels | None] = contextvars.ContextVar("decode_kernels", default=None)
+
+
+@contextmanager
+def using(kernels: DecodeKernels | None) -> Iterator[None]:
+    """linear() takes `kernels`' choices inside the block (CausalLM's layers, head and MTP layers)."""
+    token = active.set(kernels)
+    try:
+        yield
+    finally:
+        active.reset(token)
+
+
+def _time(fn, args: list) -> float:
+    start = time.perf_counter()
+    for a in args:
+        fn(*a)
+    return (time.perf_counter() - start) / len(args) * 1e6
+
+
+def _race(torch_fn, native_fn, make_args) -> tuple[float, float]:
+    """Best-of-ROUNDS microseconds per call of each, interleaved (a contended CPU slows both alike)."""
+    args = make_args()
+    best_t = best_n = float("inf")
+    for fn in (torch_fn, native_fn):  # warm up both: oneDNN's primitive cache, the first touch of the copies
+        _time(fn, args[:2])
+    for _ in range(ROUNDS):
+        best_t = min(best_t, _time(torch_fn, args * REPEATS))
+        best_n = min(best_n, _time(native_fn, args * REPEATS))
+    return best_t, best_n
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(16, COPIES_BYTES // max(nbytes, 1)))
+
+
+def _linear_race(module: ModuleType, n: int, k: int) -> tuple[float, float]:
+    n = max(1, min(n, COPIES_BYTES // (2 * k)))  # an output head's rows timed in part: the cost is per row
+
+    def make():
+        x = torch.randn(1, k).bfloat16()
+        return [(x, torch.randn(n, k).bfloat16()) for _ in range(_copies(n * k * 2))]
+    return _race(F.linear, module.linear, make)
+
+
+def _experts_race(module: ModuleType, hidden: int, inter: int, top_k: int) -> tuple[float, float]:
+    def torch_experts(xs, gates, ups, downs, weights):  # what runtime/arch/base.expert_forward does per expert
+        return [F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d) * w[:, None]
+                for x, g, u, d, w in zip(xs, gates, ups, downs, weights)]
+
+    def make():
+        x, w = torch.randn(1, hidden).bfloat16(), torch.rand(1).bfloat16()
+        per = 3 * hidden * inter * 2 * top_k
+        return [([x] * top_k, [torch.randn(inter, hidden).bfloat16() for _ in range(top_k)],
+                 [torch.randn(inter, hidden).bfloat16() for _ in range(top_k)],
+                 [torch.randn(hidden, inter).bfloat16() for _ in range(top_k)], [w] * top_k)
+                for _ in range(_copies(per))]
+    return _race(torch_experts, module.experts, make)
+
+
+def _cache_file() -> Path:
+    return native_build.build_dir().parent / "choices.json"
+
+
+def _machine_key(module_path: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|{Path(module_path).parent.name}"
+
+
+def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, int] | None) -> DecodeKernels | None:
+    """Measure (or recall) torch against the native kernels for each (out, in) weight shape and for the routed
+    experts (hidden, moe_intermediate, top_k); None where the native kernels are unavailable."""
+    module = native_build.load() if native_build.supported() is None else None
+    if module is None:
+        return None
+    if os.environ.get("OFFLOAD_ENGINE_NATIVE") == "all":  # every shape native, nothing measured (tests, A/B runs)
+        return DecodeKernels(module, frozenset(linear_shapes), experts is not None, {})
+    path = _cache_file()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    machine = stored.setdefault(_machine_key(module.__file__), {})
+    changed = False
+    wanted = {f"{n}x{k}": (lambda n=n, k=k: _linear_race(module, n, k)) for n, k in set(linear_shapes)}
+    if experts is not None:
+        wanted["experts:%dx%dx%d" % experts] = lambda: _experts_race(module, *experts)
+    for key, race in wanted.items():
+        if key not in machine:
+            t, n = race()
+            machine[key] = {"torch_us": round(t, 1), "native_us": round(n, 1)}
+            changed = True
+    if changed:
+        try:  # a read-only home keeps working: the choice is then measured again by the next run
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    timings = {key: machine[key] for key in wanted}
+    faster = {key for key, t in timings.items() if t["native_us"] < t["torch_us"]}
+    native = frozenset((int(a), int(b)) for a, b in (key.split("x") for key in faster if ":" not in key))
+    return DecodeKernels(module, native, any(key.startswith("experts:") for key in faster), timings)
+
+
+def plain_float_shapes(layouts: Iterable) -> set[tuple[int, int]]:
+    """The (out, in) shapes of the 2-D float weights the units hold as plain tensors (checkpoint layouts), the
+    embedding's table aside (looked up, not multiplied)."""
+    shapes = set()
+    for layout in layouts:
+        if layout.key.kind == "embed":
+            continue
+        for t in layout.slices:
+            if t.dtype in ("BF16", "F16", "F32") and len(t.shape) == 2 and "@" not in t.local:
+                shapes.add((int(t.shape[0]), int(t.shape[1])))
+    return shapes
+
+
+def expert_shape(layouts: Iterable, top_k: int, hidden_act: str) -> tuple[int, int, int] | None:
+    """(hidden, moe_intermediate, top_k) of a routed expert the native kernel can take: plain gate/up/down (or
+    gate_up/down) under a SiLU gate; None otherwise (quantized experts, gpt-oss's SwiGLU, dense models)."""
+    if hidden_act not in ("silu", "swish") or top_k < 1:
+        return None
+    for layout in layouts:
+        if layout.key.kind != "expert":
+            continue
+        shapes = {t.local: t.shape for t in layout.slices if len(t.shape) == 2}
+        if "down" in shapes and "gate" in shapes and "up" in shapes:
+            return int(shapes["gate"][1]), int(shapes["gate"][0]), top_k
+        if "down" in shapes and "gate_up" in shapes:
+            return int(shapes["gate_up"][1]), int(shapes["gate_up"][0]) // 2, top_k
+        return None
+    return None

@@ -1,0 +1,173 @@
+// bfloat16 matrix-vector kernels for x86 CPUs with AVX512-BF16 (runtime/kernels/native.py builds and loads this).
+//
+// Why: for the few rows of a decode step (M <= ~16), torch's bf16 matmul goes through oneDNN's brgemm, which
+// reaches 9-19 GB/s on the bench shapes on 2 cores where the memory gives ~27 GB/s; and a routed expert costs a
+// dozen small torch ops. Here a weight row is read once for all the rows of x (VDPBF16PS: bf16 pairs multiplied and
+// summed into fp32), and one call computes all of a layer's resident routed experts.
+//
+// Determinism: every output element is one thread's dot product over k in ascending order, so a result does not
+// depend on the thread count, on how the rows are split, or on which other experts share the call (an expert's
+// output is the same bits computed alone or grouped: the runtime relies on that to stay independent of placement).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
+
+inline float to_float(bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline bf16 to_bf16(float f) {  // round to nearest even, NaN kept quiet: what torch's float -> bfloat16 does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return static_cast<bf16>((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<bf16>(bits >> 16);
+}
+
+// y[m] = sum_k w[k] * x[m][k] for m < rows, fp32 accumulation in ascending k (32 at a time, masked tail)
+inline void dot_rows(const bf16* w, const bf16* x, int64_t ldx, int64_t rows, int64_t K, float* y) {
+  __m512 acc[kMaxRows];
+  for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int64_t m = 0; m < rows; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
+  }
+  if (k < K) {
+    __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    for (int64_t m = 0; m < rows; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k));
+  }
+  for (int64_t m = 0; m < rows; ++m) y[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// out[m][n] = bf16(sum_k W[n][k] x[m][k]) for n in [n0, n1)
+void gemv_block(const bf16* W, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, bf16* out,
+                int64_t ldo, int64_t n0, int64_t n1) {
+  float y[kMaxRows];
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    int64_t rows = std::min(kMaxRows, M - m0);
+    for (int64_t n = n0; n < n1; ++n) {
+      dot_rows(W + n * ldw, x + m0 * ldx, ldx, rows, K, y);
+      for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n] = to_bf16(y[m]);
+    }
+  }
+}
+
+void check_bf16(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16, what, ": expected a CPU bfloat16 tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expected a 2-D tensor with contiguous rows");
+}
+
+const bf16* ptr(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+
+constexpr int64_t kGrain = 16;  // weight rows per task: a few tens of KB, enough to amortize a task
+
+}  // namespace
+
+// x [M, K] @ W[N, K]^T -> [M, N], bfloat16 in and out, fp32 accumulation
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W) {
+  check_bf16(x, "x");
+  check_bf16(W, "weight");
+  TORCH_CHECK(x.size(1) == W.size(1), "x has ", x.size(1), " columns, the weight ", W.size(1));
+  const int64_t M = x.size(0), N = W.size(0), K = W.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  bf16* o = reinterpret_cast<bf16*>(out.data_ptr());
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    gemv_block(ptr(W), W.stride(0), ptr(x), x.stride(0), M, K, o, N, n0, n1);
+  });
+  return out;
+}
+
+// Routed experts with a gated SiLU MLP, as runtime/arch/base.expert_forward computes them in bf16 with the same
+// roundings (each product rounded to bf16, silu(g) rounded, then g*u rounded, the down product rounded, then the
+// routing weight applied and rounded): parts[e] = w_e * down_e(silu(gate_e x_e) * (up_e x_e)).
+// xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K]; downs [H, I]; weights[e] [M_e] (bf16).
+std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
+                                   const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
+                                   const std::vector<torch::Tensor>& weights) {
+  const int64_t E = static_cast<int64_t>(xs.size());
+  TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size() &&
+              weights.size() == xs.size(), "one x, gate, up, down and weight per expert");
+  std::vector<torch::Tensor> g(E), u(E), h(E), out(E);
+  std::vector<int64_t> first_gate(E + 1, 0), first_down(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    check_bf16(xs[e], "x");
+    check_bf16(gates[e], "gate");
+    check_bf16(ups[e], "up");
+    check_bf16(downs[e], "down");
+    TORCH_CHECK(gates[e].sizes() == ups[e].sizes() && gates[e].size(1) == xs[e].size(1) &&
+                downs[e].size(1) == gates[e].size(0), "expert ", e, ": gate/up/down shapes do not chain");
+    const int64_t M = xs[e].size(0), I = gates[e].size(0);
+    g[e] = torch::empty({M, I}, xs[e].options());
+    u[e] = torch::empty({M, I}, xs[e].options());
+    out[e] = torch::empty({M, downs[e].size(0)}, xs[e].options());
+    first_gate[e + 1] = first_gate[e] + I;
+    first_down[e + 1] = first_down[e] + downs[e].size(0);
+  }
+  // gate and up rows of every expert: one parallel region over all of them
+  at::parallel_for(0, first_gate[E], kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t e = 0; e < E && r0 < r1; ++e) {
+      int64_t a = std::max(r0, first_gate[e]), b = std::min(r1, first_gate[e + 1]);
+      if (a >= b) continue;
+      const auto& x = xs[e];
+      for (const auto* pair : {&gates, &ups}) {
+        const auto& W = (*pair)[e];
+        auto& dst = pair == &gates ? g[e] : u[e];
+        gemv_block(ptr(W), W.stride(0), ptr(x), x.stride(0), x.size(0), x.size(1),
+                   reinterpret_cast<bf16*>(dst.data_ptr()), dst.size(1), a - first_gate[e], b - first_gate[e]);
+      }
+    }
+  });
+  for (int64_t e = 0; e < E; ++e) {  // h = bf16(bf16(silu(g)) * u): I values per token, no need to split
+    h[e] = torch::empty_like(g[e]);
+    const bf16* gp = ptr(g[e]);
+    const bf16* up = ptr(u[e]);
+    bf16* hp = reinterpret_cast<bf16*>(h[e].data_ptr());
+    for (int64_t i = 0, n = g[e].numel(); i < n; ++i) {
+      float gv = to_float(gp[i]);
+      float act = to_float(to_bf16(gv / (1.0f + std::exp(-gv))));
+      hp[i] = to_bf16(act * to_float(up[i]));
+    }
+  }
+  at::parallel_for(0, first_down[E], kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t e = 0; e < E && r0 < r1; ++e) {
+      int64_t a = std::max(r0, first_down[e]), b = std::min(r1, first_down[e + 1]);
+      if (a >= b) continue;
+      const auto& W = downs[e];
+      gemv_block(ptr(W), W.stride(0), ptr(h[e]), h[e].stride(0), h[e].size(0), h[e].size(1),
+                 reinterpret_cast<bf16*>(out[e].data_ptr()), out[e].size(1), a - first_down[e], b - first_down[e]);
+    }
+  });
+  for (int64_t e = 0; e < E; ++e) {  // the routing weight, rounded as torch's bf16 multiply rounds it
+    TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0),
+                "expert ", e, ": expected one bfloat16 routing weight per token");
+    auto wt = weights[e].contiguous();
+    const bf16* wp = ptr(wt.view({-1, 1}));
+    bf16* op = reinterpret_cast<bf16*>(out[e].data_ptr());
+    const int64_t H = out[e].size(1);
+    for (int64_t m = 0; m < out[e].size(0); ++m)
+      for (int64_t j = 0; j < H; ++j) op[m * H + j] = to_bf16(to_float(op[m * H + j]) * to_float(wp[m]));
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x [M, K] @ W[N, K]^T in bfloat16 with fp32 accumulation");
+  m.def("experts", &experts, "routed experts' gated SiLU MLPs, one call per layer");
+}

@@ -1,0 +1,109 @@
+"""The engine's own bf16 CPU decode kernels (runtime/kernels/native/bf16_cpu.cpp, decode.py): against float32
+references and torch's bf16 path, an expert's bits independent of grouping and threads, and a bf16 engine whose
+decode takes them giving the same bits at every budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload_engine import Budget, Engine
+from offload_engine.runtime.kernels import decode, native_build
+
+native = native_build.load()
+pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {native_build.why_not()}")
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 300, 1000), (16, 48, 96), (17, 40, 33), (1, 7, 5)])
+def test_linear_matches_float32_like_torch_bf16(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    ours = native.linear(x, w)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+    # both round the fp32 sum once to bf16: within one bf16 rounding of the float32 product
+    assert (ours.float() - ref).abs().le(ref.abs() * 2 ** -8 + 1e-6).all()
+    assert rel(ours, ref) <= 2 * max(rel(F.linear(x, w), ref), 2 ** -9)
+
+
+def _experts(count: int, hidden: int, inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).bfloat16()
+    xs = [t(1 + e % 3, hidden) * 10 for e in range(count)]
+    return (xs, [t(inter, hidden) for _ in range(count)], [t(inter, hidden) for _ in range(count)],
+            [t(hidden, inter) for _ in range(count)], [torch.rand(x.shape[0], generator=g).bfloat16() for x in xs])
+
+
+def test_experts_match_the_torch_path() -> None:
+    xs, gates, ups, downs, ws = _experts(5, 96, 40)
+    ours = native.experts(xs, gates, ups, downs, ws)
+    for e in range(5):
+        torch_bf16 = F.linear(F.silu(F.linear(xs[e], gates[e])) * F.linear(xs[e], ups[e]), downs[e]) * ws[e][:, None]
+        ref = F.linear(F.silu(F.linear(xs[e].float(), gates[e].float())) * F.linear(xs[e].float(), ups[e].float()),
+                       downs[e].float()) * ws[e][:, None].float()
+        assert rel(ours[e], ref) <= 2 * max(rel(torch_bf16, ref), 2 ** -8), e
+
+
+def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
+    xs, gates, ups, downs, ws = _experts(6, 64, 32, seed=1)
+    together = native.experts(xs, gates, ups, downs, ws)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for e in range(6):
+                alone = native.experts([xs[e]], [gates[e]], [ups[e]], [downs[e]], [ws[e]])[0]
+                assert torch.equal(alone, together[e]), (threads, e)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="weight: expected a CPU bfloat16"):
+        native.linear(x, torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="columns"):
+        native.linear(x, torch.randn(8, 32).bfloat16())
+    xs, gates, ups, downs, ws = _experts(1, 64, 32)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        native.experts(xs, gates, ups, [downs[0][:, :16].contiguous()], ws)
+
+
+def test_choices_are_measured_then_recalled(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OFFLOAD_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv("OFFLOAD_ENGINE_NATIVE", raising=False)
+    first = decode.choose({(64, 128)}, (128, 64, 2))
+    assert set(first.timings) == {"64x128", "experts:128x64x2"}
+    assert all(t["torch_us"] > 0 and t["native_us"] > 0 for t in first.timings.values())
+    again = decode.choose({(64, 128)}, (128, 64, 2))
+    assert again.timings == first.timings and again.native == first.native  # the stored choice, not re-timed
+    assert (tmp_path / "kernels" / "choices.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_engine_on_native_kernels_is_budget_invariant(arch: str, checkpoint_factory, monkeypatch) -> None:
+    """Decode (<= 16 rows) takes the native kernels; the resident experts of a layer go in one call and the
+    rest one by one as they land, so a 25% budget groups them differently from 100%: the bits must not move."""
+    monkeypatch.setenv("OFFLOAD_ENGINE_NATIVE", "all")
+    path = checkpoint_factory(arch, "offload", dtype="bfloat16")
+    ids = list(range(3, 15))
+    runs = {}
+    for ram in (None, "25%"):
+        with Engine.open(path, budget=Budget(ram=ram), max_context=64) as engine:
+            assert engine.dtype == torch.bfloat16 and engine.model.kernels is not None
+            completion = engine.generate(ids, max_new_tokens=12, ignore_eos=True)
+            assert completion.stats["cpu_kernels"]["native_experts"]
+            runs[ram] = (engine.logits(ids), completion.token_ids, completion.stats["bytes_read_disk"])
+    (full, tokens, _), (budgeted, budget_tokens, read) = runs[None], runs["25%"]
+    assert read > 0  # the 25% run streamed experts
+    assert torch.equal(full, budgeted) and tokens == budget_tokens
+    monkeypatch.setenv("OFFLOAD_ENGINE_NATIVE", "0")
+    with Engine.open(path, max_context=64) as engine:  # torch's bf16 path: the same model to bf16 rounding
+        assert engine.model.kernels is None
+        theirs = engine.logits(ids)
+    assert rel(full, theirs) < 0.05
