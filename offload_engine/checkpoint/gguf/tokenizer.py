@@ -3,8 +3,9 @@ Tokenizer takes (offload_engine/tokenizer.py `Tokenizer.from_backend`).
 
 `tokenizer.ggml.model` "gpt2" (byte-level BPE: every Llama 3, Qwen, DeepSeek-V3 file) is built from the token
 list and merges, with the pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre` (its regexes, llama-vocab.cpp);
-control and user-defined tokens become added tokens; `tokenizer.chat_template` is the chat template. Other
-tokenizer models (SentencePiece "llama", "t5", ...) and unknown pre-tokenizers are refused by name.
+control and user-defined tokens become added tokens. "llama" (SentencePiece: Llama 2, Mistral, Mixtral) is built in
+spm.py. `tokenizer.chat_template` is the chat template. Other tokenizer models ("t5", "bert", ...) and unknown
+pre-tokenizers are refused by name.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 
 from ...errors import ConfigError
 from .reader import GGUFFile, read_gguf
+from .spm import CONTROL, USER_DEFINED, spm_backend
 
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",)
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
           r"|\s+(?!\S)|\s+",)
@@ -51,14 +52,19 @@ def build_backend(g: GGUFFile):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     kind = g.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ConfigError(f"{g.path}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', byte-level "
-                          f"BPE); run with token ids, or use the Hugging Face folder's tokenizer")
+                          f"BPE; 'llama', SentencePiece BPE); run with token ids, or use the Hugging Face folder's "
+                          f"tokenizer")
     tokens = list(g.get("tokenizer.ggml.tokens") or [])
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
     types = list(g.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if not tokens or len(types) != len(tokens):
         raise ConfigError(f"{g.path}: tokenizer.ggml.tokens / token_type missing or of different lengths")
+    if kind == "llama":
+        named = {k: t for k in ("unknown", "bos", "eos", "padding") for t in [_token(g, k, tokens)]
+                 if t[0] is not None}
+        return _fields(g, spm_backend(g, tokens, types, named), tokens)
+    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
     pre, ignore_merges = _pre_tokenizer(g.get("tokenizer.ggml.pre") or "default", g.path)
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
@@ -69,12 +75,18 @@ def build_backend(g: GGUFFile):
     backend.add_special_tokens([a for a in added if a.special])
     backend.add_tokens([a for a in added if not a.special])
     bos, bos_id = _token(g, "bos", tokens)
-    eos, eos_id = _token(g, "eos", tokens)
     if g.get("tokenizer.ggml.add_bos_token") and bos is not None:
         backend.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1",
                                                                special_tokens=[(bos, bos_id)])
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return _fields(g, backend, tokens)
+
+
+def _fields(g: GGUFFile, backend: Any, tokens: list[str]) -> dict[str, Any]:
+    """The engine Tokenizer's fields: BOS, EOS, the ids that stop generation, the chat template."""
+    bos, bos_id = _token(g, "bos", tokens)
+    eos, _ = _token(g, "eos", tokens)
     stop = {i for key in ("eos", "eot", "eom") for i in [_token(g, key, tokens)[1]] if i is not None}
     return dict(backend=backend, bos_token=bos, eos_token=eos, eos_token_ids=stop, bos_token_id=bos_id,
                 chat_template=g.get("tokenizer.chat_template"), source=str(g.path))
