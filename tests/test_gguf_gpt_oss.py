@@ -1,0 +1,107 @@
+"""gpt-oss GGUF files read in place (checkpoint/gguf/gpt_oss.py): files written by llama.cpp's own converter from
+the test checkpoints (F32 and BF16 from float folders; MXFP4 experts kept from an MXFP4 folder) give transformers'
+logits and greedy tokens on the source folder, streamed too; GGUF's MXFP4 blocks decode bit for bit as the `gguf`
+package's dequantizer does, and to the source's MXFP4 values (the converter's repacking undone exactly)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from offload_engine.checkpoint.model import open_model
+from offload_engine.runtime import gguf_dequant
+from tests.test_formats_parity import check_against, dequantized_folder, ref_mxfp4
+from tests.test_gguf import ROOT, convert
+
+gguf = pytest.importorskip("gguf")
+BUDGETS = (None, "25%")  # the `offload` preset: experts most of the bytes, so 25% streams them
+
+
+def types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("dtype,outtype,stored", [("float32", "f32", "F32"), ("bfloat16", "bf16", "BF16")])
+def test_converter_output_matches_transformers(checkpoint_factory, tmp_path, dtype, outtype, stored):
+    """A float folder's experts (input-major gate_up [E, H, 2I], down [E, I, H]) come out split and transposed;
+    sinks, router, biases renamed; the sliding layers from llama.cpp's pattern."""
+    folder = checkpoint_factory("gpt_oss", "offload", dtype=dtype)
+    path = convert(folder, tmp_path / f"{outtype}.gguf", outtype)
+    kinds = types(path)
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.0.attn_q.weight"] == stored
+    ck = open_model(path)
+    assert list(ck.args.layer_types) == json.loads((folder / "config.json").read_text())["layer_types"]
+    assert ck.args.sliding_window == 4 and ck.spec.rope.params["truncate"] is False
+    check_against(path, folder, BUDGETS)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gguf(tmp_path_factory, checkpoint_factory) -> tuple[Path, Path]:
+    folder = checkpoint_factory("gpt_oss", "offload", quant="mxfp4")
+    return folder, convert(folder, tmp_path_factory.mktemp("gguf_gpt_oss") / "mxfp4.gguf", "f32")
+
+
+def test_converter_mxfp4_experts_match_transformers_on_the_dequantized_weights(mxfp4_gguf, tmp_path):
+    folder, path = mxfp4_gguf
+    kinds = types(path)
+    assert {kinds[f"blk.1.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {"MXFP4"}
+    assert kinds["blk.1.attn_q.weight"] == kinds["blk.1.ffn_gate_exps.bias"] == "F32"
+    check_against(path, dequantized_folder(folder, tmp_path / "ref"), BUDGETS)
+
+
+def _source_mxfp4(folder: Path, name: str) -> torch.Tensor:
+    """The folder's MXFP4 tensor `name` as [E, out, in], by transformers' own decoder."""
+    found = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            found.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(name + "_")})
+    return ref_mxfp4(found[name + "_blocks"], found[name + "_scales"])
+
+
+def test_mxfp4_repacking_is_undone_exactly(mxfp4_gguf):
+    """GGUF gate = the source's even gate_up rows, up = the odd ones, down as is: every value equal (the source's
+    -0 code decodes to +0 in GGUF's table, equal as a number)."""
+    folder, path = mxfp4_gguf
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for layer in range(json.loads((folder / "config.json").read_text())["num_hidden_layers"]):
+        source = {"gate_up": _source_mxfp4(folder, f"model.layers.{layer}.mlp.experts.gate_up_proj"),
+                  "down": _source_mxfp4(folder, f"model.layers.{layer}.mlp.experts.down_proj")}
+        want = {"gate": source["gate_up"][:, ::2], "up": source["gate_up"][:, 1::2], "down": source["down"]}
+        for proj, expected in want.items():
+            t = stored[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            cols = expected.shape[-1]
+            got = gguf_dequant.dequantize(torch.from_numpy(np.array(t.data)), "MXFP4", cols)
+            assert torch.equal(got.reshape(expected.shape), expected), (layer, proj)
+
+
+def test_mxfp4_dequantize_is_bit_identical_to_the_gguf_package():
+    """Random blocks with every exponent byte 0..255 (subnormal scales, and inf where 2^127 x 12 overflows)."""
+    qt = gguf.GGMLQuantizationType.MXFP4
+    per, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = np.random.default_rng(1).integers(0, 256, size=(256, 3 * size), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    with np.errstate(over="ignore"):
+        ref = gguf.quants.dequantize(raw, qt).astype(np.float32)
+    got = gguf_dequant.dequantize(torch.from_numpy(raw.copy()), "MXFP4", 3 * per).numpy()
+    assert got.shape == ref.shape and np.isinf(ref).any() and (ref[:2] != 0).any()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_cli_inspect_plan_run(mxfp4_gguf):
+    _, path = mxfp4_gguf
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-c", "import sys; from offload_engine.cli import main; sys.exit(main())"]
+    out = subprocess.run(cli + ["inspect", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "GGUF" in out.stdout and "MXFP4" in out.stdout, out.stderr
+    out = subprocess.run(cli + ["plan", "--model", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "gpt_oss" in out.stdout, out.stderr
+    out = subprocess.run(cli + ["run", "--model", str(path), "--prompt", "def f", "--max-new-tokens", "4"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
