@@ -102,6 +102,26 @@ def test_cli_inspect_plan_run(mxfp4_gguf):
     assert out.returncode == 0 and "GGUF" in out.stdout and "MXFP4" in out.stdout, out.stderr
     out = subprocess.run(cli + ["plan", "--model", str(path)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "gpt_oss" in out.stdout, out.stderr
+    assert "weights mxfp4 experts" in out.stdout  # sized as the file holds them (general.file_type MXFP4_MOE)
     out = subprocess.run(cli + ["run", "--model", str(path), "--prompt", "def f", "--max-new-tokens", "4"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_gpt_4o_pre_tokenizer_splits_as_o200k(monkeypatch):
+    """gpt-oss files say tokenizer.ggml.pre "gpt-4o": its pieces are those of OpenAI's own o200k pattern (tiktoken's,
+    taken without downloading the ranks)."""
+    regex = pytest.importorskip("regex")
+    openai_public = pytest.importorskip("tiktoken_ext.openai_public")
+    from tokenizers import Regex, pre_tokenizers
+
+    from offload_engine.checkpoint.gguf.tokenizer import PRE
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {})
+    pattern = openai_public.o200k_base()["pat_str"]
+    (ours,), ignore_merges = PRE["gpt-4o"]
+    split = pre_tokenizers.Split(Regex(ours), behavior="isolated", invert=False)
+    text = (Path(json.__file__).read_text()[:3000] + " HTTPServer's JSONDecoder don'T I'LL 12345 3.14159 "
+            "naïve café ÉCOLE Straße ΑΒΓαβγ Привет мир 你好世界 こんにちは 한국어 e\u0301 😀👍 a/b//\n\r\n\t  x  \n")
+    assert [piece for piece, _ in split.pre_tokenize_str(text)] == regex.findall(pattern, text)
+    assert ignore_merges is False  # as llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O

@@ -184,8 +184,8 @@ def _deepseek(m: _Meta, g: GGUFFile, heads: int) -> dict[str, Any]:
 
 def file_format(g: GGUFFile) -> tuple[str, str | None]:
     """(dtype, nearest --weights what-if or None) of the file's general.file_type, for the planner, which sizes
-    a model from its config: F32/F16/BF16 files as such, Q8_0 as int8, the 4-6 bit types as int4 (an estimate:
-    `run` places the units by the file's real bytes)."""
+    a model from its config: F32/F16/BF16 files as such, MXFP4_MOE as mxfp4 experts, Q8_0 as int8, the 4-6 bit
+    types as int4 (an estimate: `run` places the units by the file's real bytes)."""
     from gguf import LlamaFileType
 
     raw = g.get("general.file_type")
@@ -199,4 +199,6 @@ def file_format(g: GGUFFile) -> tuple[str, str | None]:
         return "float16", None
     if name.endswith("F32"):
         return "float32", None
+    if "MXFP4" in name:  # MOSTLY_MXFP4_MOE (gpt-oss): MXFP4 experts, the rest sized as the releases' bf16
+        return "bfloat16", "mxfp4"
     return "bfloat16", "int8" if "Q8" in name else "int4"
