@@ -1,11 +1,13 @@
 """gpt-oss GGUF files read in place (checkpoint/gguf/gpt_oss.py): files written by llama.cpp's own converter from
-the test checkpoints (F32 and BF16 from float folders; MXFP4 experts kept from an MXFP4 folder) give transformers'
-logits and greedy tokens on the source folder, streamed too; GGUF's MXFP4 blocks decode bit for bit as the `gguf`
-package's dequantizer does, and to the source's MXFP4 values (the converter's repacking undone exactly)."""
+the test checkpoints (F32 and BF16 from float folders; MXFP4 experts kept from an MXFP4 folder; Q8_0) give
+transformers' logits and greedy tokens on the source folder (for Q8_0: on the `gguf` package's dequantization of
+the file), streamed too; GGUF's MXFP4 blocks decode bit for bit as the `gguf` package's dequantizer does, and to
+the source's MXFP4 values (the converter's repacking undone exactly); the `gpt-4o` pre-tokenizer is o200k's."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from offload_engine.checkpoint.model import open_model
 from offload_engine.runtime import gguf_dequant
@@ -54,6 +57,55 @@ def test_converter_mxfp4_experts_match_transformers_on_the_dequantized_weights(m
     assert {kinds[f"blk.1.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {"MXFP4"}
     assert kinds["blk.1.attn_q.weight"] == kinds["blk.1.ffn_gate_exps.bias"] == "F32"
     check_against(path, dequantized_folder(folder, tmp_path / "ref"), BUDGETS)
+
+
+def gguf_dequantized_folder(src: Path, gguf_path: Path, out: Path) -> Path:
+    """A float gpt_oss folder of the `gguf` package's dequantization of every tensor of the GGUF file, mapped back
+    to transformers' names and layouts here, apart from the engine: gate and up re-interleaved into gate_up_proj
+    [E, H, 2I] (input-major) with its bias, down_proj transposed back to [E, I, H]."""
+    deq = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+           for t in gguf.GGUFReader(gguf_path).tensors}
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    state = {"model.embed_tokens.weight": deq["token_embd.weight"], "model.norm.weight": deq["output_norm.weight"],
+             "lm_head.weight": deq["output.weight"]}
+    plain = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+        plain.update({f"self_attn.{proj}_proj.{leaf}": f"{name}.{leaf}" for leaf in ("weight", "bias")})
+
+    def interleave(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.stack((a, b), dim=dim + 1).flatten(dim, dim + 1)
+
+    for l in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{l}.", f"blk.{l}."
+        state.update({p + hf: deq[b + name] for hf, name in plain.items()})
+        state[p + "mlp.experts.gate_up_proj"] = interleave(deq[b + "ffn_gate_exps.weight"],
+                                                           deq[b + "ffn_up_exps.weight"], 1).transpose(1, 2)
+        state[p + "mlp.experts.gate_up_proj_bias"] = interleave(deq[b + "ffn_gate_exps.bias"],
+                                                                deq[b + "ffn_up_exps.bias"], 1)
+        state[p + "mlp.experts.down_proj"] = deq[b + "ffn_down_exps.weight"].transpose(1, 2)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("quant,experts", [(None, "Q8_0"), ("mxfp4", "MXFP4")])
+def test_converter_q8_0_matches_transformers_on_the_dequantized_weights(checkpoint_factory, tmp_path, quant, experts):
+    """`--outtype q8_0`: attention, embedding and head Q8_0; the experts Q8_0 too from a float folder, kept MXFP4
+    from an MXFP4 one (the form of llama.cpp's own gpt-oss files)."""
+    folder = checkpoint_factory("gpt_oss", "offload", **({"quant": quant} if quant else {}))
+    path = convert(folder, tmp_path / "q8.gguf", "q8_0")
+    kinds = types(path)
+    assert kinds["blk.0.attn_q.weight"] == kinds["token_embd.weight"] == "Q8_0"
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.0.ffn_down_exps.weight"] == experts
+    check_against(path, gguf_dequantized_folder(folder, path, tmp_path / "ref"), BUDGETS)
 
 
 def _source_mxfp4(folder: Path, name: str) -> torch.Tensor:

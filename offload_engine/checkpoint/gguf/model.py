@@ -89,6 +89,7 @@ class _Builder:
                                             f"{list(want)} for unit {key}", tensor=t.name)
 
     def component(self, key: UnitKey, local: str, ts: TensorSpec) -> dict[str, TensorSpec]:
+        # gpt-oss: renamed tensors and the converter's split experts (checkpoint/gguf/gpt_oss.py)
         if self.spec.model_type == "gpt_oss" and (parts := gpt_oss.component(self, key, local, ts)) is not None:
             return parts
         mapped = gguf_name(ts.hf_name)
