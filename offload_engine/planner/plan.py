@@ -41,7 +41,7 @@ def gguf_model_spec(path: Path) -> ModelSpec:
     cfg = build_config(g)
     cfg["dtype"], what_if = file_format(g)
     if what_if is not None:
-        cfg["quantization_config"] = WHAT_IF_CONFIGS[what_if]
+        cfg["quantization_config"] = {"quant_method": "mxfp4"} if what_if == "mxfp4" else WHAT_IF_CONFIGS[what_if]
     return parse_config(cfg, path)
 
 

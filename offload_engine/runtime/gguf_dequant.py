@@ -11,6 +11,8 @@ dequantizer (gguf/quants.py), so the results are bit-identical to it (tests/test
   Q6_K    210 bytes: 128 low nibbles, 64 bytes of 2 high bits, 16 int8 scales, f16 d; x = (d * sc) * (q - 32)
   IQ4_XS  136 bytes: f16 d, u16 high scale bits, 4 bytes of low scale bits, 128 nibbles indexing a
           non-linear 16-value table;                                 x = (d * (ls - 32)) * table[q]
+  MXFP4   17-byte blocks of 32: e8m0 exponent e, 16 bytes (low nibbles = 0..15) of e2m1 codes;
+          x = 2^(e-128) * (2 * e2m1[q]), e2m1 doubled so the table is integers (gpt-oss experts)
 
 A weight's rows are independent (blocks run along the input dimension), so one expert's slice of a fused
 tensor, or the rows of the embedding a lookup needs, decode on their own.
@@ -24,6 +26,7 @@ from ..planner.kernel_room import GGUF_INT4_TYPES
 
 F32 = torch.float32
 QK_K = 256
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1 doubled (gguf.quants.MXFP4)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -109,9 +112,20 @@ def iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * table[q]).reshape(n, QK_K)
 
 
+def mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """d = 2^(e-128) built from its bits as ggml_e8m0_to_fp32_half does (subnormal for e < 2), then d * value: a
+    power of two times a small integer, so exact (inf where it overflows, +0 for both zero codes)."""
+    n = b.shape[0]
+    e = b[:, :1].to(torch.int32)
+    d = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    q = _nibbles(b[:, 1:], 1, 16).reshape(n, 32).long()
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.int8, device=b.device).to(F32)
+    return d.view(F32) * table[q]
+
+
 # type -> (values per block, bytes per block, decoder)
 BLOCKS = {"Q8_0": (32, 34, q8_0), "Q4_0": (32, 18, q4_0), "Q4_K": (QK_K, 144, q4_k), "Q5_K": (QK_K, 176, q5_k),
-          "Q6_K": (QK_K, 210, q6_k), "IQ4_XS": (QK_K, 136, iq4_xs)}
+          "Q6_K": (QK_K, 210, q6_k), "IQ4_XS": (QK_K, 136, iq4_xs), "MXFP4": (32, 17, mxfp4)}
 SUPPORTED = tuple(PLAIN) + tuple(BLOCKS)
 
 

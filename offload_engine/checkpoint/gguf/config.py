@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointFormatError, ConfigError, OffloadEngineError
+from . import gpt_oss
 from .reader import GGUFFile
 
 # general.architecture -> the engine's model_type (llama with experts is Mixtral, as llama.cpp writes it)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-         "deepseek2": "deepseek_v3"}
+         "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
 
 
 def model_type(g: GGUFFile) -> str:
@@ -136,6 +137,8 @@ def _build(g: GGUFFile) -> dict[str, Any]:
                    shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0)))
     elif mt == "deepseek_v3":
         cfg.update(_deepseek(m, g, heads))
+    elif mt == "gpt_oss":  # sliding layers, expert width, YaRN untruncated: checkpoint/gguf/gpt_oss.py
+        cfg.update(gpt_oss.config(g, cfg))
     return cfg
 
 
@@ -181,8 +184,8 @@ def _deepseek(m: _Meta, g: GGUFFile, heads: int) -> dict[str, Any]:
 
 def file_format(g: GGUFFile) -> tuple[str, str | None]:
     """(dtype, nearest --weights what-if or None) of the file's general.file_type, for the planner, which sizes
-    a model from its config: F32/F16/BF16 files as such, Q8_0 as int8, the 4-6 bit types as int4 (an estimate:
-    `run` places the units by the file's real bytes)."""
+    a model from its config: F32/F16/BF16 files as such, MXFP4_MOE as mxfp4 experts, Q8_0 as int8, the 4-6 bit
+    types as int4 (an estimate: `run` places the units by the file's real bytes)."""
     from gguf import LlamaFileType
 
     raw = g.get("general.file_type")
@@ -196,4 +199,6 @@ def file_format(g: GGUFFile) -> tuple[str, str | None]:
         return "float16", None
     if name.endswith("F32"):
         return "float32", None
+    if "MXFP4" in name:  # MOSTLY_MXFP4_MOE (gpt-oss): MXFP4 experts, the rest sized as the releases' bf16
+        return "bfloat16", "mxfp4"
     return "bfloat16", "int8" if "Q8" in name else "int4"

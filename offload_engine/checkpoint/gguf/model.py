@@ -21,6 +21,7 @@ from ..index import CheckpointIndex, TensorRecord
 from ..layout import build_layout
 from ..naming import ModelSchema, TensorSpec, UnitKey
 from ..opened import ModelCheckpoint
+from . import gpt_oss
 from .config import build_config
 from .names import gguf_name
 from .reader import GGUFFile, GGUFTensor, read_gguf
@@ -28,7 +29,7 @@ from .reader import GGUFFile, GGUFTensor, read_gguf
 PLAIN = ("F32", "F16", "BF16")
 # type -> (values per block, bytes per block): ggml's sizes (gguf.constants.GGML_QUANT_SIZES)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ4_XS": (256, 136)}
+          "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
 SUPPORTED = PLAIN + tuple(BLOCKS)
 PERMUTED_ARCHS = ("llama", "mixtral")  # convert_hf_to_gguf's LlamaModel permutes q_proj / k_proj rows
 
@@ -88,12 +89,19 @@ class _Builder:
                                             f"{list(want)} for unit {key}", tensor=t.name)
 
     def component(self, key: UnitKey, local: str, ts: TensorSpec) -> dict[str, TensorSpec]:
+        # gpt-oss: renamed tensors and the converter's split experts (checkpoint/gguf/gpt_oss.py)
+        if self.spec.model_type == "gpt_oss" and (parts := gpt_oss.component(self, key, local, ts)) is not None:
+            return parts
         mapped = gguf_name(ts.hf_name)
         if mapped is None:
             raise CheckpointFormatError(self.g.path, f"no GGUF name for tensor {ts.hf_name} of unit {key}")
         name, expert = mapped
         if ts.hf_name.endswith("kv_b_proj.weight") and name not in self.g.tensors:
             return self.kv_b(key, local, ts, name)
+        return self.stored(key, local, ts, name, expert)
+
+    def stored(self, key: UnitKey, local: str, ts: TensorSpec, name: str, expert: int | None) -> dict[str, TensorSpec]:
+        """`ts` of unit `key` read from GGUF tensor `name` (expert `expert` of it, if fused)."""
         t = self.tensor(name, key, ts.hf_name)
         shape = self.logical(t, expert, ts.shape, key)
         heads = self.permuted_heads(ts.hf_name)

@@ -23,10 +23,13 @@ QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{
 DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",)  # o200k (gpt-oss)
 # tokenizer.ggml.pre -> (regexes applied in turn, ignore_merges: whole-word vocab hits skip the merges)
 PRE = {"default": (GPT2, False), "gpt-2": (GPT2, False), "gpt2": (GPT2, False), "llama-bpe": (LLAMA3, True), "llama3": (LLAMA3, True),
        "smaug-bpe": (LLAMA3, True), "qwen2": (QWEN2, False), "deepseek-r1-qwen": (QWEN2, False),
-       "deepseek-v3": (DEEPSEEK3, False)}
+       "deepseek-v3": (DEEPSEEK3, False), "gpt-4o": (GPT4O, False)}
 
 
 def _pre_tokenizer(pre: str, path) -> tuple[Any, bool]:

@@ -6,7 +6,7 @@ modeling_gpt_oss computes them:
               `sliding_window` positions. The cache keeps every position for every layer (a full-size cache for
               the sliding layers too: simpler, and exact; a ring buffer would save (L/2) * (S - W) positions).
   router      logits = x W^T + b; top-k on the logits, softmax over the k chosen
-  experts     gate_up = x W_gu + b (2I outputs, gate even, up odd); gate clamped above at `limit`, up to
+  experts     gate_up = x W_gu + b (2I outputs, gate even, up odd; a GGUF holds gate and up apart); gate clamped above at `limit`, up to
               [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate); then x W_down + b
 """
 from __future__ import annotations
@@ -79,11 +79,14 @@ class GptOssOps(StandardOps):
         return None
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up_t" in w:  # bf16 as transformers saves it: [in, out]
-            gate_up = x @ w["gate_up_t"] + w["gate_up_bias"]
-        else:  # MXFP4 (any quantized format): [out, in]
-            gate_up = F.linear(x, dense(w, "gate_up", x.dtype), w["gate_up_bias"])
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        if "gate_bias" in w:  # a GGUF's: gate_up split by llama.cpp's converter (checkpoint/gguf/gpt_oss.py)
+            gate, up = linear(x, w, "gate", "gate_bias"), linear(x, w, "up", "up_bias")
+        else:
+            if "gate_up_t" in w:  # bf16 as transformers saves it: [in, out]
+                gate_up = x @ w["gate_up_t"] + w["gate_up_bias"]
+            else:  # MXFP4 (any quantized format): [out, in]
+                gate_up = F.linear(x, dense(w, "gate_up", x.dtype), w["gate_up_bias"])
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         limit = self.a.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         hidden = (up + 1) * (gate * torch.sigmoid(gate * self.a.swiglu_alpha))
