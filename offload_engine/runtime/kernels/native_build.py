@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native") / "bf16_cpu.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+# -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
+# serially in the extension
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 _why_not: list[str] = []
@@ -96,4 +98,4 @@ def _build() -> ModuleType:
     if fresh:
         print(f"offload-engine: building its CPU kernels once into {where} (~30 s)", file=sys.stderr)
     return cpp_extension.load(name="offload_engine_bf16_cpu", sources=[str(SOURCE)], build_directory=str(where),
-                              extra_cflags=list(FLAGS), verbose=False)
+                              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], verbose=False)

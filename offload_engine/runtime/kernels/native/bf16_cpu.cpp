@@ -37,34 +37,66 @@ inline bf16 to_bf16(float f) {  // round to nearest even, NaN kept quiet: what t
   return static_cast<bf16>(bits >> 16);
 }
 
-// y[m] = sum_k w[k] * x[m][k] for m < rows, fp32 accumulation in ascending k (32 at a time, masked tail)
-inline void dot_rows(const bf16* w, const bf16* x, int64_t ldx, int64_t rows, int64_t K, float* y) {
-  __m512 acc[kMaxRows];
-  for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
+// y[r][m] = sum_k W[r][k] x[m][k] for R <= 4 weight rows and MR <= 4 rows of x: R x MR independent fp32
+// accumulators in registers (a single chain per row would wait on VDPBF16PS's latency), each summed over k in
+// ascending order, 32 at a time, the tail masked
+template <int R, int MR>
+inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int64_t m = 0; m < rows; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
+    __m512bh xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
   }
   if (k < K) {
     __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-    for (int64_t m = 0; m < rows; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k));
+    __m512bh xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
   }
-  for (int64_t m = 0; m < rows; ++m) y[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) y[r * ldy + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// out[m][n] = bf16(sum_k W[n][k] x[m][k]) for n in [n0, n1)
+template <int R>
+inline void dot_rows(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, float* y) {
+  // y [R][kMaxRows]: x's rows 4 at a time (the R weight rows stay in L1 between passes)
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_tile<R, 4>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows);
+  switch (M - m) {
+    case 3: dot_tile<R, 3>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
+    case 2: dot_tile<R, 2>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
+    case 1: dot_tile<R, 1>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
+    default: break;
+  }
+}
+
+// out[m][n] = bf16(sum_k W[n][k] x[m][k]) for n in [n0, n1): weight rows 4 at a time, each read once for all
+// of x's rows (M <= kMaxRows per pass)
 void gemv_block(const bf16* W, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, bf16* out,
                 int64_t ldo, int64_t n0, int64_t n1) {
-  float y[kMaxRows];
+  float y[4][kMaxRows];
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    int64_t rows = std::min(kMaxRows, M - m0);
-    for (int64_t n = n0; n < n1; ++n) {
-      dot_rows(W + n * ldw, x + m0 * ldx, ldx, rows, K, y);
-      for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n] = to_bf16(y[m]);
+    const int64_t rows = std::min(kMaxRows, M - m0);
+    const bf16* xm = x + m0 * ldx;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+      dot_rows<4>(W + n * ldw, ldw, xm, ldx, rows, K, &y[0][0]);
+      for (int r = 0; r < 4; ++r)
+        for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n + r] = to_bf16(y[r][m]);
+    }
+    for (; n < n1; ++n) {
+      dot_rows<1>(W + n * ldw, ldw, xm, ldx, rows, K, &y[0][0]);
+      for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n] = to_bf16(y[0][m]);
     }
   }
 }
