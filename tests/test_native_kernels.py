@@ -11,13 +11,14 @@ from offload_engine import Budget, Engine
 from offload_engine.runtime.kernels import decode, native_build
 
 native = native_build.load()
-pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {native_build.why_not()}")
+needs_native = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {native_build.why_not()}")
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+@needs_native
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 300, 1000), (16, 48, 96), (17, 40, 33), (1, 7, 5)])
 def test_linear_matches_float32_like_torch_bf16(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
@@ -39,6 +40,7 @@ def _experts(count: int, hidden: int, inter: int, seed: int = 0):
             [t(hidden, inter) for _ in range(count)], [torch.rand(x.shape[0], generator=g).bfloat16() for x in xs])
 
 
+@needs_native
 def test_experts_match_the_torch_path() -> None:
     xs, gates, ups, downs, ws = _experts(5, 96, 40)
     ours = native.experts(xs, gates, ups, downs, ws)
@@ -49,6 +51,7 @@ def test_experts_match_the_torch_path() -> None:
         assert rel(ours[e], ref) <= 2 * max(rel(torch_bf16, ref), 2 ** -8), e
 
 
+@needs_native
 def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
     xs, gates, ups, downs, ws = _experts(6, 64, 32, seed=1)
     together = native.experts(xs, gates, ups, downs, ws)
@@ -63,6 +66,7 @@ def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
         torch.set_num_threads(before)
 
 
+@needs_native
 def test_bad_input_is_refused_by_name() -> None:
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="weight: expected a CPU bfloat16"):
@@ -74,6 +78,7 @@ def test_bad_input_is_refused_by_name() -> None:
         native.experts(xs, gates, ups, [downs[0][:, :16].contiguous()], ws)
 
 
+@needs_native
 def test_choices_are_measured_then_recalled(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("OFFLOAD_ENGINE_CACHE", str(tmp_path))
     monkeypatch.delenv("OFFLOAD_ENGINE_NATIVE", raising=False)
@@ -85,6 +90,7 @@ def test_choices_are_measured_then_recalled(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "kernels" / "choices.json").is_file()
 
 
+@needs_native
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_bf16_engine_on_native_kernels_is_budget_invariant(arch: str, checkpoint_factory, monkeypatch) -> None:
     """Decode (<= 16 rows) takes the native kernels; the resident experts of a layer go in one call and the
@@ -107,3 +113,16 @@ def test_bf16_engine_on_native_kernels_is_budget_invariant(arch: str, checkpoint
         assert engine.model.kernels is None
         theirs = engine.logits(ids)
     assert rel(full, theirs) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 16, 64), (48, 96)])
+def test_rms_norm_equals_the_spelled_out_form(dtype, shape) -> None:
+    """runtime/layers.rms_norm takes F.rms_norm for transformers' six-op form: the bits must not change."""
+    from offload_engine.runtime.layers import rms_norm
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x, w = (torch.randn(*shape, generator=g) * 3).to(dtype), torch.randn(shape[-1], generator=g).to(dtype)
+    h = x.to(torch.float32)
+    spelled = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(rms_norm(x, w, 1e-6), spelled)
