@@ -8,7 +8,10 @@ A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight 
    host), plus a fixed dispatch cost for each of the unit's ops (OPS_PER_UNIT x gpu_op_us or cpu_op_us) and
    the engine's Python bookkeeping per acquired unit (acquire, release, tensor views, routing glue), which
    costs as much as ENGINE_UNIT_OPS small torch ops on the host CPU (ENGINE_UNIT_OPS x cpu_op_us; measured
-   on the CPU engine with a model whose weights are negligible). Attention also reads the KV cache.
+   on the CPU engine). Attention also reads the KV cache. A CPU computing a bf16 checkpoint's plain experts runs
+   the engine's native kernels (runtime/kernels/decode.py; a CPU that multiplies bf16 natively is assumed, as for
+   the KV cache's itemsize): a layer's resident routed experts go in one call, so an expert costs
+   NATIVE_EXPERT_OPS instead of its OPS_PER_UNIT.
 A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
    nvme_latency_us / READER_THREADS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O for units that
@@ -49,12 +52,15 @@ from .hardware import HardwareProfile
 
 DEFAULT_ALPHA = 0.4
 DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router lookahead: 0.886 on Qwen3-30B-A3B)
-# engine bookkeeping per unit in small-op equivalents: fitted to the resident CPU engine on the bench checkpoint
-# (quiet machine, 1 thread, 2026-12-02: 51 ms/token, of which 31 ms GEMV at the probed 14.5 GB/s, 2 ms of the
-# units' own ops; the rest over 110 units at cpu_op_us 1.9 us: ~80; a torch profile counts ~100 aten calls per
-# unit, views and slices included). The offload preset (hidden 64) gave 35-65.
-ENGINE_UNIT_OPS = 80.0
+# engine bookkeeping per unit in small-op equivalents: re-fitted to the resident CPU engine on the fp32 bench
+# checkpoint (2026-12-06, 2 threads, probe: GEMV 23.54 GB/s, cpu_op_us 4.55): 31.6 ms/token, of which 19.7 ms GEMV
+# and 5.2 ms the units' own ops (OPS_PER_UNIT): the rest over 110 units, 61 us each: ~14 (80 when first fitted in
+# session 2, before the store's and the layer loop's overheads were cut; docs/CALIBRATION.md).
+ENGINE_UNIT_OPS = 14.0
 OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
+# an expert's share of its layer's one native call (A1), fitted on the bf16 bench checkpoint the same day: 18.2
+# ms/token = 9.9 ms GEMV + the dense units' ops + 110 units' bookkeeping + ~0.7 op per expert
+NATIVE_EXPERT_OPS = 1.0
 
 ASSUMPTIONS = [" ".join(item.split()) for item in re.split(r"\n(?=A\d )", __doc__.split("(ASSUMPTIONS):")[1].strip())]
 
@@ -93,16 +99,18 @@ class Machine:
     cpu_gbps: float
     cpu_flops: float
     cpu_op_us: float
+    native_experts: bool = False  # A1: a CPU computing plain bf16 experts with the engine's grouped kernel
 
     @classmethod
-    def of(cls, profile: HardwareProfile, separate_host: bool) -> "Machine":
+    def of(cls, profile: HardwareProfile, separate_host: bool, native_experts: bool = False) -> "Machine":
+        """native_experts: the experts are plain bf16 (ignored with a GPU, whose experts the CPU does not compute)."""
         if profile.has_gpu:
             return cls("gpu", profile.gpu_mem_gbps, profile.gpu_tflops * 1e12, profile.gpu_op_us, profile.pcie_gbps,
                        profile.nvme_gbps, profile.nvme_latency_us, profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9,
                        profile.cpu_op_us)
         return cls("cpu", profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us,
                    profile.ram_gbps if separate_host else None, profile.nvme_gbps, profile.nvme_latency_us,
-                   profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us)
+                   profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us, native_experts)
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,7 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
         side = "expert" if f.kind == "expert" else "dense"
         read = f.unit_bytes if f.compute_bytes is None else f.compute_bytes
         per_unit = max(read / (m.weight_gbps * 1e9), 2 * f.unit_params * f.tokens / m.flops)
-        ops = OPS_PER_UNIT.get(f.kind, 8)
+        ops = NATIVE_EXPERT_OPS if f.kind == "expert" and m.native_experts else OPS_PER_UNIT.get(f.kind, 8)
         on_cpu = host_compute and f.kind == "expert" and m.compute == "gpu"
         missing = f.uses * (f.p_host + f.p_disk)
         from_disk = f.uses * f.p_disk

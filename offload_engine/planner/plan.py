@@ -273,7 +273,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         flows = step_flows(shape, placement, units, hits[scenario], m, drafts if use_mtp else 0, o)
         position = o.position if o.position is not None else o.context // 2
         steps[scenario] = costs.step_cost(
-            flows, costs.Machine.of(profile, separate_host), recall=o.recall,
+            flows, costs.Machine.of(profile, separate_host, native_experts=itemsize == 2 and fmt.expert is None),
+            recall=o.recall,
             host_compute=o.host_compute and profile.has_gpu,
             kv_read_bytes=kv.kv_read_bytes(spec, position, itemsize, o.kv_dtype),
             overhead_scale=o.overhead_scale, bounce_gbps=profile.ram_gbps if direct else None,

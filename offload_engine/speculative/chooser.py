@@ -58,16 +58,14 @@ class RecentMedian:
     spikes would drag a mean; one slow plain step must not make speculation look cheap)."""
 
     def __init__(self, window: int = 7):
-        self.window, self.count, self._last = window, 0, []
+        self.window, self.count, self._last, self.value = window, 0, [], 0.0
 
     def add(self, x: float) -> None:
+        """The median is taken here, once per observation: a plan reads it a few dozen times per step."""
         self._last = (self._last + [x])[-self.window:]
         self.count += 1
-
-    @property
-    def value(self) -> float:
         s = sorted(self._last)
-        return s[len(s) // 2] if s else 0.0
+        self.value = s[len(s) // 2]
 
 
 @dataclass
@@ -166,6 +164,7 @@ class CostModel:
     def __init__(self, num_experts: int = 0, experts_per_token: int = 0, margin: float = 0.05,
                  probe_every: int = 16, explore: float = 0.03, timed: bool = True):
         self.E, self.k, self.timed = num_experts, experts_per_token, timed
+        self._unions: dict[int, float] = {}  # T -> union_multiplier (fixed by E and k)
         self.margin, self.probe_every, self.explore = margin, probe_every, explore
         self._fwd: dict[int, RecentMedian] = {}
         self._draft: dict[str, RecentMedian] = {}  # seconds per depth of drafting
@@ -183,7 +182,10 @@ class CostModel:
 
     # ---- forward time ----------------------------------------------------------------------------------
     def union(self, T: int) -> float:
-        return union_multiplier(self.E, self.k, T)
+        got = self._unions.get(T)
+        if got is None:
+            got = self._unions[T] = union_multiplier(self.E, self.k, T)
+        return got
 
     def observe_forward(self, T: int, seconds: float) -> None:
         if not self.timed:
