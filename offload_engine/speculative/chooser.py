@@ -35,6 +35,7 @@ given, drafting at its prior share), and only acceptance, which is a function of
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ OPTIMISTIC = 1.9  # tokens per step a depth-1 draft yields at 90% acceptance (th
 PRIOR_FIRST, PRIOR_SIBLING, STRENGTH = 0.3, 0.1, 2.0  # acceptance priors (chain node, sibling) and their weight
 GAMMA_PRIOR_WEIGHT = 1.0  # observations' worth of weight the gamma prior keeps
 NEAR_MISS = 0.8  # a shadow-scored drafter predicted within this factor of winning is retried (exploration budget)
+PLAN_SHARE = 0.01  # a plain verdict stands as many steps as keep planning within this share of the decode time
+# (a plan of ~0.2-0.3 ms is a sixth of a 1.8 ms step of the bundled demo model, where speculation nearly pays and
+# it re-planned every step)
 REPLAN_EVERY, CLEAR_LOSS = 4, 0.9  # a plain verdict with every plan below CLEAR_LOSS x plain's rate stands this
 # many steps: planning costs ~0.1-0.3 ms, a tenth of a step of a small resident model; new acceptance evidence
 # (a shadow-scored n-gram proposal ending) re-plans at once
@@ -124,10 +128,21 @@ class _Acceptance:
 
     def __init__(self):
         self.counts: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, rejected]
+        self._expected: dict[tuple[int, int, int], list[float]] = {}  # (depth, width, W) -> E(D, W), until `add`
 
     def add(self, depth: int, rank: int, accepted: bool) -> None:
         c = self.counts.setdefault((depth, rank), [0.0, 0.0])
         c[0 if accepted else 1] += 1.0
+        self._expected.clear()
+
+    def expected(self, depth: int, width: int, chain_width: int) -> list[float]:
+        """_expected(table(depth, width), chain_width), kept until the next observation: a plan asks for it at
+        every step and acceptance only changes when a draft is verified."""
+        key = (depth, width, chain_width)
+        got = self._expected.get(key)
+        if got is None:
+            got = self._expected[key] = _expected(self.table(depth, width), chain_width)
+        return got
 
     def rate(self, depth: int, rank: int) -> float:
         return self.table(depth, rank + 1)[depth - 1][rank]
@@ -172,6 +187,7 @@ class CostModel:
         self._probe_cost: dict[str, RecentMedian] = {}  # extra seconds a probe step cost over a plain one
         self._plain_since_probe = 0
         self._replan_in = 0  # plain steps the last (clearly plain) verdict still stands for
+        self._planning = RecentMedian()  # seconds one plan() takes (the stepper times it)
         self._step = 0  # decode steps observed
         self._plain_step = RecentMedian(15)  # seconds of a plain (non-probe) step
         self._realized: dict[str, _Realized] = {}
@@ -291,6 +307,20 @@ class CostModel:
                 acc.add(d, r, r == k)
 
     # ---- the decision ----------------------------------------------------------------------------------
+    def observe_planning(self, seconds: float) -> None:
+        if self.timed:
+            self._planning.add(seconds)
+
+    def _stands_for(self, clear: bool) -> int:
+        """Steps a plain verdict stands: a clear one REPLAN_EVERY, a near one 1 (the next step may tip it), either
+        more where planning would otherwise take over PLAN_SHARE of the decode time (new acceptance evidence
+        still re-plans at once); untimed runs ignore the planning time, reproducibly."""
+        least = REPLAN_EVERY if clear else 1
+        t1 = self.forward_time(1)
+        if not self.timed or self._planning.count == 0 or t1 <= 0:
+            return least
+        return max(least, math.ceil(self._planning.value / (PLAN_SHARE * t1)))
+
     def keep_plain(self) -> bool:
         """True while the last verdict, a plain step that every plan lost to by a clear margin, stands: the
         caller then takes a plain step without planning (the step counts towards the next probe as usual)."""
@@ -317,10 +347,10 @@ class CostModel:
         near: tuple[float, DraftChoice] = (0.0, DraftChoice(None))  # the best plan of a shadow-scored drafter
         top_rate = 0.0  # the best rate of any speculative plan
         for name, prior in drafters.items():
-            table = self.acceptance(name).table(top_depth, top_width)
+            acceptance = self.acceptance(name)
             per_depth = self.draft_time(name, 1, prior)
             for W in widths:
-                expected = _expected(table, W)
+                expected = acceptance.expected(top_depth, top_width, W)
                 for D in depths:
                     rate = expected[D - 1] / max(D * per_depth + verify[1 + D * W], 1e-9)
                     top_rate = max(top_rate, rate)
@@ -333,7 +363,7 @@ class CostModel:
             return best
         self._plain_since_probe += 1
         if self._plain_since_probe < self.probe_every:
-            self._replan_in = REPLAN_EVERY - 1 if top_rate < CLEAR_LOSS * plain else 0
+            self._replan_in = self._stands_for(clear=top_rate < CLEAR_LOSS * plain) - 1
             return best
         # probe a drafter only if it could win at all (near-perfect acceptance at depth 1), and only while the
         # probes' extra cost stays within `explore` of the decode time so far

@@ -110,7 +110,10 @@ class SpeculativeStepper:
         layers = max(getattr(self.model, "num_layers", 1), 1)
         catch_up = {n: self.cost.forward_time(k) / layers for n, d in self.drafters.items()
                     if (k := getattr(d, "pending", lambda n: 0)(len(self.context))) > 0}
-        return self.cost.plan(priors, self.max_depth, self.max_width, self.depth, self.width, shadow, catch_up)
+        start = time.perf_counter()
+        plan = self.cost.plan(priors, self.max_depth, self.max_width, self.depth, self.width, shadow, catch_up)
+        self.cost.observe_planning(time.perf_counter() - start)
+        return plan
 
     def _draft_prior(self, name: str) -> float:
         """Seconds per depth of drafting before any is timed: a fraction of a target forward."""
