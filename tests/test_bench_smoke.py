@@ -76,7 +76,8 @@ def test_probe_reads_the_file_and_says_how(tmp_path):
 
 def test_plots_from_rows(tmp_path):
     """Both plots from made-up rows (no bench run): engine only, and engine with both peer modes."""
-    from tools.bench import EngineRun, PeerRun, Row, plot_bytes, plot_paths, plot_speed
+    from tools.bench_common import EngineRun, PeerRun, Row
+    from tools.bench_report import plot_bytes, plot_paths, plot_speed
 
     def engine(pct, tok_s):
         return EngineRun(pct, [1], 4, 4 / tok_s, 1 / tok_s, tok_s, 3e6, 2e6, 3e6, 0.5, 0.01, 1.0, 0.0, {}, {},

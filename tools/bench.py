@@ -33,16 +33,13 @@ import argparse
 import gc
 import hashlib
 import json
-import logging as std_logging
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,157 +51,19 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from offload_engine import Budget, Engine, PrefetchConfig  # noqa: E402
-from offload_engine.probe import (MiB, Meter, cpu_busy_s, machine_info, measure_cpu_matmul_flops,  # noqa: E402
+from offload_engine.probe import (MiB, Meter, machine_info, measure_cpu_matmul_flops,  # noqa: E402
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
 from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 from offload_engine.store.policy import POLICIES  # noqa: E402
+from tools.bench_accelerate import run_peer  # noqa: E402
+from tools.bench_common import (EngineRun, PeerRun, Row, label, prompt_ids, reporting_interrupts,  # noqa: E402
+                                settle_freed_memory, wait_for_quiet)
 from tools.bench_physical import (active_bytes_hf, measure_memory_read_bandwidth, physical_bound,  # noqa: E402
                                   summary as physical_summary)
+from tools.bench_report import plot_bytes, plot_paths, plot_speed, prefetch_table, table  # noqa: E402
 
-MB = 1e6
 PREFETCH_MODES = {"off": False, "on": PrefetchConfig(adaptive=False), "adaptive": PrefetchConfig()}
 TARGETS_AT = 25  # the issue's acceptance budget (%)
-
-
-# ---- results ------------------------------------------------------------------------------------------------
-@dataclass
-class EngineRun:
-    budget_pct: float | None  # None: no budget (every unit pinned): the resident compute reference
-    tokens: list[int]  # prefill's token, then one per decode step
-    decode_steps: int
-    decode_s: float
-    s_per_token: float
-    tok_s: float
-    bytes_read_disk_per_token: float  # store counter, decode steps only
-    needed_bytes_per_token: float  # read and then used: minus prefetches evicted unused (the bound's bytes)
-    os_read_bytes_per_token: float | None  # /proc/self/io read_bytes: what really came from storage
-    hit_rate: float  # compute-tier hits / acquisitions, decode steps only
-    stall_s_per_token: float  # time the compute thread waited for reads
-    cpu_util: float  # process CPU seconds / wall seconds during decode (2 cores -> at most 2.0)
-    others_cpu: float  # cores used by other processes during decode (a shared machine's noise)
-    peak_bytes: dict[str, int | None]
-    budget_bytes: dict[str, int | None]
-    direct_io: bool
-    open_s: float
-    prefetch: dict[str, Any] = field(default_factory=dict)
-    bytes_host_to_device_per_token: float = 0.0  # store counter, decode steps only (0 without a device tier)
-    prefetch_mode: str = "adaptive"
-    wasted_bytes_per_token: float = 0.0  # prefetched and evicted unused
-    io_overlap: float = 1.0  # share of the readers' busy time the compute thread did not wait through
-    read_bytes_per_busy_s: float | None = None  # bytes read / time the readers had a read in flight, decode only:
-    # what the disk delivered to the engine during this run (None: nothing read)
-
-
-@dataclass
-class PeerRun:
-    budget_pct: float
-    page_cache: str  # "bypass": its files evicted before every token; "allow": left in the page cache
-    tokens: list[int]
-    decode_steps: int
-    decode_s: float
-    s_per_token: float
-    tok_s: float
-    os_read_bytes_per_token: float | None
-    cpu_util: float
-    others_cpu: float
-    bytes_on_disk: int  # parameters accelerate offloaded to disk: read again on every forward
-    bytes_in_ram: int
-    load_s: float
-
-
-@dataclass
-class Row:
-    budget_pct: float
-    engine: EngineRun
-    peers: dict[str, PeerRun]
-    resident_s_per_token: float  # the mean of the runs right before and right after this budget's engine runs
-    resident_around: tuple[float, float]  # those two runs' s/token
-    disk_bw: float  # O_DIRECT bytes/s the bound uses: sampled right before and right after this budget's runs
-    disk_around: tuple[float, float]  # those two samples (the faster of the probe's two read patterns each)
-    bound_s_per_token: float
-    engine_vs_bound: float
-    tokens_match: dict[str, bool]
-    rounds_vs_bound: list[float] = field(default_factory=list)  # every round's engine / bound (--rounds); the
-    # row's engine run, resident_around and engine_vs_bound are those of the median round
-    median_round: int = 0  # its index
-    physical: dict[str, float] = field(default_factory=dict)  # tools/bench_physical.PhysicalBound of the row's
-    # engine run: active bytes / memory bandwidth, bytes read and used / O_DIRECT bandwidth, their max, the ratio
-
-    def ratio(self, mode: str) -> float | None:
-        peer = self.peers.get(mode)
-        return self.engine.tok_s / peer.tok_s if peer and peer.tok_s else None
-
-
-# ---- measuring helpers --------------------------------------------------------------------------------------
-def wait_for_quiet(max_wait: float, cores: float = 0.3) -> float:
-    """Wait (at most max_wait s) until other processes use fewer than `cores` over a 1 s sample; returns the
-    seconds waited. A shared machine's neighbours otherwise decide the figures."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < max_wait:
-        busy, cpu = cpu_busy_s(), time.process_time()
-        time.sleep(1.0)
-        if (cpu_busy_s() - busy) - (time.process_time() - cpu) < cores:
-            break
-    return time.perf_counter() - start
-
-
-# A virtual machine with free page reporting (virtio-balloon) hands memory the guest frees back to its host a
-# couple of seconds later, and on this project's VM the host's work on it stalls the virtual disk: after the
-# resident engine (2.6 GB) closed, the next engine's decode reads took up to 60-110 ms each and its wait was
-# 10-23 ms/token, against 2.6-5.8 (max read 5-34 ms) with the freed memory reported first (tools/bench.py's own
-# sequence, 3 rounds each; the reporting interrupts fell from 6 to 2 per measured request). So after closing a
-# model, the bench waits for the reporting to finish before it measures the next one.
-REPORTING_DELAY_S = 2.5  # the kernel reports free pages 2 s after they are freed (page_reporting_delay)
-SETTLE_MIN_BYTES = 256 << 20  # a smaller free (the --quick checkpoint's) is not waited for
-
-
-def reporting_interrupts() -> int | None:
-    """Free page reporting requests served so far (virtio-balloon's "reporting" interrupts), or None."""
-    try:
-        with open("/proc/interrupts") as f:
-            line = next((line for line in f if "reporting" in line), None)
-    except OSError:
-        return None
-    if line is None:
-        return None
-    return sum(int(v) for v in line.split()[1:] if v.isdigit())
-
-
-def settle_freed_memory(rss_before: int, max_wait: float = 15.0, quiet: float = 1.0) -> float:
-    """After a model's memory was freed (the process's RSS was `rss_before`): wait until the VM has reported it to
-    its host (no reporting interrupt for `quiet` s, at least REPORTING_DELAY_S after the call, at most
-    `max_wait`); returns the seconds waited. Returns at once where the VM does not report free pages or less
-    than SETTLE_MIN_BYTES were freed."""
-    if reporting_interrupts() is None or rss_before - psutil.Process().memory_info().rss < SETTLE_MIN_BYTES:
-        return 0.0
-    start = time.perf_counter()
-    time.sleep(REPORTING_DELAY_S)
-    last = reporting_interrupts()
-    while time.perf_counter() - start < max_wait:
-        time.sleep(quiet)
-        now = reporting_interrupts()
-        if now == last:
-            break
-        last = now
-    return time.perf_counter() - start
-
-
-def evict(paths: list[Path], sync: bool = False) -> None:
-    """Drop these files' pages from the page cache (their next read comes from the disk). DONTNEED skips dirty
-    pages, so files just written (accelerate's offload folder) need sync=True once."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            if sync:
-                os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def prompt_ids(n: int, vocab: int, salt: int = 0) -> list[int]:
-    """Deterministic ids away from the special tokens at the start of the vocabulary."""
-    return [(i * 7919 + 101 + salt * 31) % (vocab - 3) + 3 for i in range(n)]
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
@@ -238,7 +97,7 @@ def run_engine(model: Path, pct: float | None, prompt: list[int], warm: list[int
 def _measured_request(engine: Engine, pct: float | None, prompt: list[int], steps: int, open_s: float,
                       progress: bool, prefetch: str) -> EngineRun:
     meter, before, finish = Meter(), None, None
-    bar = tqdm(total=steps, desc=f"engine {_label(pct)}", unit="tok", leave=False, disable=not progress)
+    bar = tqdm(total=steps, desc=f"engine {label(pct)}", unit="tok", leave=False, disable=not progress)
     for event in engine.stream(prompt, max_new_tokens=steps + 1, ignore_eos=True):
         if isinstance(event, FinishEvent):
             meter.stop()
@@ -273,85 +132,6 @@ def _measured_request(engine: Engine, pct: float | None, prompt: list[int], step
         prefetch_mode=prefetch, wasted_bytes_per_token=wasted * unit / n,
         io_overlap=max(0.0, 1.0 - stall / busy) if busy > 0 else 1.0,
         read_bytes_per_busy_s=read / busy if busy > 0 and read else None)
-
-
-# ---- the peer: transformers + accelerate disk offload -------------------------------------------------------
-def load_peer(model: Path, budget_bytes: int, offload: Path):
-    """accelerate's own path for "what does not fit in RAM goes to disk": device_map="auto" with a CPU budget
-    (on a machine without GPU the remaining modules are placed on "disk" and loaded by hooks at each forward)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    std_logging.getLogger("accelerate.big_modeling").setLevel(std_logging.ERROR)  # "offloaded": expected here
-    return AutoModelForCausalLM.from_pretrained(model, device_map="auto", max_memory={"cpu": budget_bytes},
-                                                offload_folder=str(offload), dtype=torch.float32).eval()
-
-
-def placed_bytes(peer) -> dict[str, int]:
-    """Parameter bytes per device of accelerate's device map (offloaded parameters are meta: shapes suffice)."""
-    dmap = getattr(peer, "hf_device_map", {"": "cpu"})
-    out: dict[str, int] = {}
-    for name, p in peer.named_parameters():
-        prefix = max((k for k in dmap if k == "" or name == k or name.startswith(k + ".")), key=len, default="")
-        dev = str(dmap.get(prefix, "cpu"))
-        out[dev] = out.get(dev, 0) + p.numel() * p.element_size()
-    return out
-
-
-@torch.inference_mode()
-def decode_peer(peer, prompt: list[int], steps: int, evict_files: list[Path] | None, progress: bool,
-                desc: str, quiet: float = 0.0) -> tuple[list[int], Meter]:
-    """Greedy decode with the KV cache, one forward per token (the engine's work); only the steps are timed.
-    evict_files: evicted from the page cache before every step (outside the timed interval)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=peer.config)
-    kw = "cache" if "cache" in _forward_params(peer) else "past_key_values"
-    logits = peer(torch.tensor([prompt]), use_cache=True, **{kw: cache}).logits
-    tokens, meter = [int(logits[0, -1].argmax())], Meter()
-    wait_for_quiet(quiet)
-    for _ in tqdm(range(steps), desc=desc, unit="tok", leave=False, disable=not progress):
-        if evict_files:
-            evict(evict_files)
-        meter.start()
-        logits = peer(torch.tensor([[tokens[-1]]]), use_cache=True, **{kw: cache}).logits
-        tokens.append(int(logits[0, -1].argmax()))
-        meter.stop()
-    return tokens, meter
-
-
-def _forward_params(peer) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(peer.forward).parameters)
-
-
-def run_peer(model: Path, pct: float, budget_bytes: int, modes: list[str], prompt: list[int], steps: int,
-             work: Path, progress: bool, quiet: float = 0.0) -> dict[str, PeerRun]:
-    offload = Path(tempfile.mkdtemp(prefix="peer-offload-", dir=work))
-    peer = None
-    try:
-        start = time.perf_counter()
-        peer = load_peer(model, budget_bytes, offload)
-        load_s = time.perf_counter() - start
-        placed = placed_bytes(peer)
-        files = sorted(offload.rglob("*.safetensors")) + sorted(model.glob("*.safetensors"))
-        evict(files, sync=True)  # written during the load: flush them so that eviction really evicts
-        runs = {}
-        for mode in modes:
-            tokens, m = decode_peer(peer, prompt, steps, files if mode == "bypass" else None, progress,
-                                    f"peer {pct:g}% {mode}", quiet)
-            runs[mode] = PeerRun(pct, mode, tokens, steps, m.wall, m.wall / steps, steps / m.wall, m.per(steps),
-                                 m.cpu_util, m.others_cpu, placed.get("disk", 0), placed.get("cpu", 0), load_s)
-        return runs
-    finally:
-        rss = psutil.Process().memory_info().rss
-        del peer
-        gc.collect()
-        settle_freed_memory(rss)
-        shutil.rmtree(offload, ignore_errors=True)
 
 
 # ---- machine and probe ------------------------------------------------------------------------------------
@@ -484,145 +264,6 @@ def targets(rows: list[Row]) -> dict[str, Any]:
             met = value >= goal if better == "higher" else value <= goal
             out[name] = {"value": value, "target": goal, "met": met}
     return out
-
-
-def _label(pct: float | None) -> str:
-    return "resident" if pct is None else f"{pct:g}%"
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def table(rows: list[Row], resident: EngineRun, physical: dict[str, Any] | None = None) -> str:
-    """One line per budget. 'pc': accelerate with the page cache allowed; 'disk': the O_DIRECT bandwidth of the
-    row's bound (probed around its engine runs), 'read': what the engine's reads got while any was in flight;
-    'others': the most cores other processes used during any of the row's measured decodes (a shared machine's
-    noise); 'phys': the physical bound (tools/bench_physical.py: max(active bytes / memory read bandwidth,
-    bytes read and used / O_DIRECT bandwidth)) and '/phys' the engine's time per token against it."""
-    lines = [f"{'budget':>7} {'engine':>7} {'peer':>7} {'ratio':>6} {'peer pc':>7} {'ratio':>6} {'MB/tok':>7} "
-             f"{'hits':>5} {'stall':>7} {'disk':>5} {'read':>5} {'/bound':>6} {'rounds':>9} {'phys':>6} {'/phys':>5} "
-             f"{'others':>6}  tokens",
-             f"{'% model':>7} {'tok/s':>7} {'bypass':>7} {'':>6} {'tok/s':>7} {'':>6} {'engine':>7} "
-             f"{'%':>5} {'ms/tok':>7} {'GB/s':>5} {'GB/s':>5} {'':>6} {'/bound':>9} {'ms/tok':>6} {'':>5} {'cores':>6}"]
-    for r in rows:
-        by, pc = r.peers.get("bypass"), r.peers.get("allow")
-        ok = all(r.tokens_match.values()) if r.tokens_match else None
-        others = max([r.engine.others_cpu] + [p.others_cpu for p in r.peers.values()])
-        lines.append(
-            f"{r.budget_pct:>7g} {r.engine.tok_s:>7.2f} {_fmt(by and by.tok_s, '7.2f'):>7} "
-            f"{_fmt(r.ratio('bypass'), '6.1f'):>6} {_fmt(pc and pc.tok_s, '7.2f'):>7} "
-            f"{_fmt(r.ratio('allow'), '6.2f'):>6} "
-            f"{r.engine.bytes_read_disk_per_token / MB:>7.1f} {100 * r.engine.hit_rate:>5.1f} "
-            f"{1e3 * r.engine.stall_s_per_token:>7.1f} {r.disk_bw / 1e9:>5.2f} "
-            f"{_fmt(r.engine.read_bytes_per_busy_s and r.engine.read_bytes_per_busy_s / 1e9, '5.2f'):>5} "
-            f"{r.engine_vs_bound:>6.2f} {_spread(r.rounds_vs_bound):>9} "
-            f"{_fmt(r.physical and 1e3 * r.physical['s_per_token'], '6.1f'):>6} "
-            f"{_fmt(r.physical and r.physical['measured_vs_bound'], '5.2f'):>5} {others:>6.2f}  "
-            f"{'-' if ok is None else 'match' if ok else 'MISMATCH'}")
-    lines.append(f"resident compute: {resident.s_per_token * 1e3:.1f} ms/token ({resident.tok_s:.2f} tok/s) first; "
-                 f"before-after each budget {' '.join(_around(r) for r in rows)}; O_DIRECT GB/s before-after each "
-                 f"budget {' '.join(f'{a / 1e9:.2f}-{b / 1e9:.2f}' for a, b in (r.disk_around for r in rows))}")
-    if physical:
-        lines.append(f"physical: {physical['active_bytes']['per_token'] / MB:.1f} MB active per token / "
-                     f"{physical['memory_read']['bytes_per_s'] / 1e9:.2f} GB/s memory read = "
-                     f"{1e3 * physical['resident_bound_s_per_token']:.1f} ms/token; resident engine "
-                     f"{physical['resident_engine_vs_physical']:.2f}x that")
-    return "\n".join(lines)
-
-
-def _spread(ratios: list[float]) -> str:
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
-
-
-def _around(r: Row) -> str:
-    before, after = r.resident_around
-    return f"{before * 1e3:.1f}-{after * 1e3:.1f}"
-
-
-def prefetch_table(runs: dict[float, dict[str, EngineRun]]) -> str:
-    """Per budget and prefetch mode, against the same budget's prefetch-off run."""
-    lines = [f"{'budget':>7} {'prefetch':>9} {'tok/s':>7} {'vs off':>6} {'stall':>7} {'off/this':>8} {'MB/tok':>7} "
-             f"{'wasted':>7} {'ahead':>6} {'RA':>6} {'overlap':>7}  pay-check verdicts",
-             f"{'% model':>7} {'':>9} {'':>7} {'':>6} {'ms/tok':>7} {'stall':>8} {'read':>7} {'MB/tok':>7} "
-             f"{'reads':>6} {'prec.':>6}"]
-    for pct, modes in runs.items():
-        off = modes.get("off")
-        for mode, r in modes.items():
-            p = r.prefetch or {}
-            lines.append(
-                f"{pct:>7g} {mode:>9} {r.tok_s:>7.2f} {_fmt(off and r.tok_s / off.tok_s, '6.2f'):>6} "
-                f"{1e3 * r.stall_s_per_token:>7.1f} "
-                f"{_fmt(off and r.stall_s_per_token and off.stall_s_per_token / r.stall_s_per_token, '8.2f'):>8} "
-                f"{r.bytes_read_disk_per_token / MB:>7.1f} {r.wasted_bytes_per_token / MB:>7.1f} "
-                f"{_fmt(p.get('recall_effective'), '6.2f'):>6} "
-                f"{_fmt((p.get('route_ahead') or {}).get('precision'), '6.2f'):>6} {r.io_overlap:>7.2f}  "
-                f"{','.join('on' if v else 'off' for v in (p.get('pay_check_verdicts') or [])) or '-'}")
-    return "\n".join(lines)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_speed(rows: list[Row], resident: EngineRun, path: Path) -> None:
-    """Decode tok/s against the RAM budget: the engine, accelerate per page-cache mode, the resident reference."""
-    plt = _pyplot()
-    x = [r.budget_pct for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [r.engine.tok_s for r in rows], "o-", label="engine (O_DIRECT below 100%)")
-    for mode, label in (("bypass", "accelerate, page cache evicted"), ("allow", "accelerate, page cache allowed")):
-        pts = [(r.budget_pct, r.peers[mode].tok_s) for r in rows if mode in r.peers]
-        if pts:
-            ax.plot(*zip(*pts), "s--", label=label)
-    ax.axhline(resident.tok_s, color="grey", lw=0.8, ls=":", label="engine, every unit resident")
-    ax.set(xlabel="RAM budget (% of model bytes)", ylabel="decode tok/s", yscale="log", title="decode speed")
-    ax.invert_xaxis()
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_bytes(rows: list[Row], path: Path) -> None:
-    """MB read per decode token by tier, per budget: the engine's disk -> RAM (and RAM -> VRAM when there is a
-    device tier) from its store counters; accelerate's disk tier (its offloaded parameters, reloaded at every
-    forward) and what really came from storage (/proc/self/io) per page-cache mode."""
-    plt = _pyplot()
-    series = [("engine: disk -> RAM", [r.engine.bytes_read_disk_per_token for r in rows])]
-    if any(r.engine.bytes_host_to_device_per_token for r in rows):
-        series.append(("engine: RAM -> VRAM", [r.engine.bytes_host_to_device_per_token for r in rows]))
-    if any(r.peers for r in rows):
-        series.append(("accelerate: disk tier -> RAM", [max([p.bytes_on_disk for p in r.peers.values()], default=0)
-                                                       for r in rows]))
-    for mode in ("bypass", "allow"):
-        if any(mode in r.peers for r in rows):
-            series.append((f"accelerate ({mode}): from storage",
-                           [(r.peers[mode].os_read_bytes_per_token or 0) if mode in r.peers else 0 for r in rows]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(series)
-    for i, (label, ys) in enumerate(series):
-        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))], [y / MB for y in ys], width,
-               label=label)
-    ax.set_xticks(range(len(rows)), [f"{r.budget_pct:g}%" for r in rows])
-    ax.set(xlabel="RAM budget (% of model bytes)", ylabel="MB per decode token", title="bytes read per token")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_paths(plot: str, json_path: str) -> tuple[Path, Path]:
-    """--plot PREFIX (default: the JSON path without .json) -> PREFIX-tok_s.png, PREFIX-bytes.png."""
-    prefix = Path(plot) if plot else Path(json_path).with_suffix("")
-    prefix = prefix.with_suffix("") if prefix.suffix == ".png" else prefix
-    return prefix.with_name(prefix.name + "-tok_s.png"), prefix.with_name(prefix.name + "-bytes.png")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from offload_engine.checkpoint.model import open_model  # noqa: E402
 from offload_engine.probe import machine_info  # noqa: E402
-from tools.bench import EngineRun, prompt_ids, run_engine, source_state, versions  # noqa: E402
+from tools.bench import run_engine, source_state, versions  # noqa: E402
+from tools.bench_common import EngineRun, prompt_ids  # noqa: E402
 
 FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "fp8-block": ("bfloat16", "fp8-block"),
            "ct-int8": ("bfloat16", "ct-int8"), "ct-int4": ("bfloat16", "ct-int4")}  # name: (dtype, --quant)
