@@ -41,6 +41,7 @@ class GptqRounding:
     rows_better: int = 0  # of their rows, those GPTQ rounded with less error than RTN (the others keep RTN's)
     rows: int = 0
     fallback: dict[str, int] = field(default_factory=dict)  # why -> weights rounded to nearest instead
+    describe: Callable[[str], None] = lambda text: None  # the progress bar's description (convert.py sets it)
 
     def __post_init__(self) -> None:
         self.num_layers = self.checkpoint.spec.num_layers
@@ -90,7 +91,9 @@ class GptqRounding:
             return self._fall_back("outside the calibrated forward (MTP layers)")
         if layer != self.layer:
             self.grams = {}  # the previous layer's inputs go before this layer's are collected
+            self.describe(f"calibrating {'layer ' + str(layer) if layer < self.num_layers else 'head'}")
             self.grams = self.collector.collect(layer)
+            self.describe("quantizing (GPTQ)")
             self.layer = layer
         gram = self.grams.get((tp.name, expert))
         if gram is None or gram.tokens == 0:

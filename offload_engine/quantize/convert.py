@@ -134,6 +134,8 @@ def _write_shards(index: CheckpointIndex, plan: QuantPlan, reader: SourceReader,
     total = 0
     writers: dict[Path, ShardWriter] = {}
     bar = tqdm(total=index.total_bytes, unit="B", unit_scale=True, desc="quantizing", disable=not progress)
+    if rounding is not None:
+        rounding.describe = bar.set_description_str
     try:
         for shard in sorted(by_shard):
             entries = [e for tp in by_shard[shard] for e in _entries(tp)]
