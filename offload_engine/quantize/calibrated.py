@@ -68,19 +68,20 @@ class GptqRounding:
         return units["dense"] + units["expert"] + stream + HESSIAN_COPIES * 4 * widest * widest
 
     def layer_of(self, name: str) -> int | None:
-        """The decoder layer whose forward a weight's inputs come from (num_layers: the head); None: none."""
+        """The decoder layer whose forward a weight's inputs come from (num_layers: the head); None: none (the MTP
+        layers, DeepSeek's numbered after the decoder's and the hybrids' `mtp.layers.*`, and what lies outside)."""
+        if any(name.startswith(p + ".") for p in self.plan.mtp_layers):
+            return None
         m = _LAYER.search(name)
         if m is not None:
             return int(m.group(1)) if int(m.group(1)) < self.num_layers else None
         return self.num_layers if _HEAD.search(name) else None
 
     def order(self, tensors: list[TensorPlan]) -> list[TensorPlan]:
-        """Tensors outside the decoder first, then layer by layer, the head, the MTP layers."""
+        """Tensors outside the calibrated forward first, then layer by layer, then the head (stable otherwise)."""
         def key(tp: TensorPlan) -> int:
-            m = _LAYER.search(tp.name)
-            if m is not None:
-                return 1 + int(m.group(1)) + (int(m.group(1)) >= self.num_layers)
-            return 1 + self.num_layers if _HEAD.search(tp.name) else 0
+            layer = self.layer_of(tp.name)
+            return -1 if layer is None else layer
         return sorted(tensors, key=key)
 
     def rounding(self, tp: TensorPlan, expert: int) -> RowFn | None:
