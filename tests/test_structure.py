@@ -15,10 +15,10 @@ MAX_LINES = 450
 STAGES = {
     "constants": 0, "errors": 0, "units": 0, "interrupts": 0, "defaults": 0, "modes": 0,
     "checkpoint": 1, "tokenizer": 1, "tokenizer_tiktoken": 1,
-    "planner": 2, "probe": 2, "quantize": 2,
+    "planner": 2, "probe": 2,
     "store": 3, "prefetch": 3,
     "runtime": 4,
-    "generate": 5, "speculative": 6,
+    "generate": 5, "quantize": 5, "speculative": 6,
     "config": 7, "assemble": 7, "api": 8, "distributed": 8,
     "cli": 9, "server": 9, "__init__": 10, "__main__": 10,
 }

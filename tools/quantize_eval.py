@@ -5,6 +5,11 @@ chains of depth 1 and 2). tests/test_quantize.py checks int8 within 1% and int4 
 MTP acceptance within 10% of bf16's, with these functions.
 
     python tools/quantize_eval.py --work build/quantize-eval          # about 3 min on 2 cores
+    python tools/quantize_eval.py --work build/gptq-eval --calibrated # RTN against --calibrate (GPTQ), perplexity
+
+--calibrated: int4 (groups of 32 and 128) and int8 rounded to nearest and by `--calibrate` on `calibration_text`
+(the held-out stdlib files the perplexity sample does not use: about 12k tokens), in windows of 128 tokens (the
+demo's training length, as its perplexity windows), held-out perplexity only.
 """
 from __future__ import annotations
 
@@ -57,6 +62,39 @@ def held_out_ppl(model: Path, files: int = 20) -> float:
     return math.exp(nll / n)
 
 
+def calibration_text(out: Path) -> Path:
+    """The held-out files tools/eval_demo.py's perplexity sample leaves out (disjoint from the files both
+    training and evaluation read), joined into one text file."""
+    from tools.eval_demo import read, sample_files
+    from tools.train_demo import stdlib_files
+
+    held_out = stdlib_files()[1]
+    evaluated = set(sample_files(held_out))
+    out.write_text("\n".join(read(f) for f in sorted(held_out) if f not in evaluated), encoding="utf-8")
+    return out
+
+
+def calibrated_rows(work: Path, base: Path, tokens: int) -> dict[str, float]:
+    """Held-out perplexity of RTN and --calibrate for int4 g32, int4 g128 and int8 (per channel)."""
+    from offload_engine.cli import main as cli
+    from tools.eval_demo import WINDOW  # the demo's training length (longer calibration windows fit it worse)
+
+    text = calibration_text(work / "calibration.txt")
+    rows = {"bf16": held_out_ppl(base)}
+    print(f"{'bf16':>16}: perplexity {rows['bf16']:.3f}", flush=True)
+    for weights, group in (("int4", "32"), ("int4", "128"), ("int8", "0")):
+        gptq = ["--calibrate", str(text), "--calibration-tokens", str(tokens), "--calibration-window", str(WINDOW)]
+        for method, flags in (("rtn", []), ("gptq", gptq)):
+            name = f"{weights}-g{group}-{method}"
+            if cli(["quantize", "--model", str(base), "--out", str(work / name), "--weights", weights, "--group",
+                    group, "--quiet", *flags]):
+                raise SystemExit(f"quantize {name} failed")
+            rows[name] = held_out_ppl(work / name)
+            print(f"{name:>16}: perplexity {rows[name]:.3f} ({100 * (rows[name] / rows['bf16'] - 1):+.2f}%)",
+                  flush=True)
+    return rows
+
+
 def mtp_acceptance(model: Path, prompts: int = 6, depths: tuple[int, ...] = (1,)) -> dict[int, list[float]]:
     """Acceptance per draft position at each depth; every output equal to plain decoding (checked)."""
     from tools.eval_demo import code_prompts, mtp_acceptance as measure, sample_files
@@ -80,9 +118,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="a folder to create")
     ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--calibrated", action="store_true", help="RTN against --calibrate (perplexity only)")
+    ap.add_argument("--calibration-tokens", type=int, default=8192)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     base = bf16_copy(args.work / "bf16")
+    if args.calibrated:
+        rows = calibrated_rows(args.work, base, args.calibration_tokens)
+        (args.work / "calibrated.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
     models = {"bf16": base}
     for w in ("int8", "int4", "fp8"):
         models[w] = args.work / w

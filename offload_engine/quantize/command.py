@@ -6,12 +6,13 @@ import sys
 
 from ..errors import ConfigError
 from ..units import parse_bytes
-from .plan import DEFAULT_GROUP, WEIGHTS, QuantizeOptions
+from .plan import CALIBRATION_TOKENS, CALIBRATION_WINDOW, DEFAULT_GROUP, WEIGHTS, QuantizeOptions
 
 QUANTIZE_EXAMPLES = """examples:
   offload-engine quantize --model ~/models/Qwen3-30B-A3B --out ~/models/Qwen3-30B-A3B-int4 --weights int4
   offload-engine quantize --model DIR --out DIR-int8 --weights int8 --ram 8GiB
   offload-engine quantize --model DIR --out DIR-fp8 --weights fp8 --group 128 --no-keep-mtp
+  offload-engine quantize --model DIR --out DIR-int4 --weights int4 --calibrate sample.txt   # GPTQ
 
 writes compressed-tensors weights (transformers with `compressed-tensors`, vLLM and this engine read them):
 int4/int8 pack-quantized, symmetric, round to nearest (int4 in groups of 32, int8 per output channel unless
@@ -40,6 +41,14 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep the embeddings unquantized (always: quantized embeddings are not supported)")
     p.add_argument("--keep", action="append", default=[], metavar="REGEX",
                    help="also keep the linear modules whose name matches (repeatable)")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="int4/int8: round with GPTQ (error feedback on the activations this UTF-8 text file gives, "
+                        "run through the model layer by layer) instead of to nearest; same output format")
+    p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, metavar="N",
+                   help=f"tokens of the --calibrate text used (default {CALIBRATION_TOKENS})")
+    p.add_argument("--calibration-window", type=int, default=CALIBRATION_WINDOW, metavar="N",
+                   help=f"tokens per sequence the text is cut into (default {CALIBRATION_WINDOW}; at most the "
+                        "model's max_position_embeddings)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     p.set_defaults(func=cmd_quantize)
@@ -54,7 +63,9 @@ def options_from_args(args: argparse.Namespace) -> tuple[QuantizeOptions, int]:
         raise ConfigError(f"--ram must be a positive size, got {args.ram!r}")
     options = QuantizeOptions(weights=args.weights, group=args.group, keep_mtp=args.keep_mtp,
                               keep_router=args.keep_router, keep_head=args.keep_head,
-                              keep_embeddings=args.keep_embeddings, keep=tuple(args.keep))
+                              keep_embeddings=args.keep_embeddings, keep=tuple(args.keep),
+                              calibrate=args.calibrate, calibration_tokens=args.calibration_tokens,
+                              calibration_window=args.calibration_window)
     return options, ram
 
 

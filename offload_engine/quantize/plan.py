@@ -20,6 +20,8 @@ from .scheme import WeightScheme
 
 WEIGHTS = ("int8", "int4", "fp8")
 DEFAULT_GROUP = {"int4": 32, "int8": 0, "fp8": 0}  # 0: one scale per output channel
+CALIBRATION_TOKENS = 8192  # --calibrate's defaults: tokens of the text run through the model, in windows of
+CALIBRATION_WINDOW = 512
 MIN_GROUP = 8  # a fitted group smaller than this costs more in scales than it saves: keep the weight instead
 FLOAT_SOURCES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _EMBED = re.compile(r"(^|\.)embed_tokens$|(^|\.)wte$|(^|\.)embeddings?$")
@@ -40,10 +42,19 @@ class QuantizeOptions:
     keep_head: bool = True
     keep_embeddings: bool = True
     keep: tuple[str, ...] = ()  # regexes of further modules to keep (searched in the module name)
+    calibrate: str | None = None  # a text file: GPTQ rounding on its activations (calibrated.py); None: RTN
+    calibration_tokens: int = CALIBRATION_TOKENS
+    calibration_window: int = CALIBRATION_WINDOW  # tokens per sequence the calibration text is cut into
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.calibrate is not None and self.weights == "fp8":
+            raise ConfigError("--calibrate applies to --weights int4 and int8 (fp8 is rounded to nearest)")
+        for flag, n in (("--calibration-tokens", self.calibration_tokens),
+                        ("--calibration-window", self.calibration_window)):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"{flag} must be a positive integer, got {n!r}")
         if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, int)
                                        or self.group < 0 or (self.group and self.group < MIN_GROUP)):
             raise ConfigError(f"--group must be 0 (per channel) or an integer >= {MIN_GROUP}, got {self.group!r}")
