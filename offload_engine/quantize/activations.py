@@ -136,8 +136,11 @@ class UnitReader:
         rec = self.checkpoint.index.tensors[s.tensor]
         return (s.file_offset - rec.offset) // s.nbytes if s.nbytes and len(rec.shape) == 3 else 0
 
-    def acquire(self, keys: Sequence[UnitKey], while_waiting=None, on_host=None
+    def acquire(self, keys: Sequence[UnitKey], while_waiting=None, on_host=None, after_resident=None
                 ) -> Iterator[tuple[UnitKey, dict[str, torch.Tensor]]]:
+        """Each unit read when asked (nothing is resident ahead, so `after_resident` comes first)."""
+        if after_resident is not None:
+            after_resident()
         for key in keys:
             weights, targets = {}, {}
             for s in self.checkpoint.layouts[key].slices:

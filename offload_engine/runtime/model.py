@@ -217,8 +217,8 @@ class CausalLM:
             if not any(host.wants(n) for n in set(tokens.values())):
                 host = None  # auto rules the host out for this forward: nothing to stage, nothing to ask
         on_host = None if host is None else (lambda key: host.wants(tokens[key.expert]))
-        units = self.source.acquire(keys, wait_work, on_host=on_host,
-                                    after_resident=after_resident if native is not None else None)
+        grouped = {} if native is None else {"after_resident": after_resident}
+        units = self.source.acquire(keys, wait_work, on_host=on_host, **grouped)
         # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
         # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
         staged = HostInputs.stage(h, indices, weights) if host is not None and h.device.type == "cuda" else None
