@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointFormatError, ConfigError, OffloadEngineError
+from . import hybrid
 from .reader import GGUFFile
 
 # general.architecture -> the engine's model_type (llama with experts is Mixtral, as llama.cpp writes it)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-         "deepseek2": "deepseek_v3"}
+         "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 
 
 def model_type(g: GGUFFile) -> str:
@@ -136,6 +137,8 @@ def _build(g: GGUFFile) -> dict[str, Any]:
                    shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0)))
     elif mt == "deepseek_v3":
         cfg.update(_deepseek(m, g, heads))
+    elif mt in hybrid.MODEL_TYPES:
+        cfg.update(hybrid.config(g, cfg))
     return cfg
 
 

@@ -22,7 +22,8 @@ from ..layout import build_layout
 from ..naming import ModelSchema, TensorSpec, UnitKey
 from ..opened import ModelCheckpoint
 from .config import build_config
-from .names import gguf_name
+from .fixups import DEFAULT_HOOKS, ArchHooks, Fixup, with_fixups
+from .hybrid import HOOKS as ARCH_HOOKS  # per-architecture names, args and load-time fix-ups (fixups.py)
 from .reader import GGUFFile, GGUFTensor, read_gguf
 
 PLAIN = ("F32", "F16", "BF16")
@@ -34,8 +35,9 @@ PERMUTED_ARCHS = ("llama", "mixtral")  # convert_hf_to_gguf's LlamaModel permute
 
 
 class _Builder:
-    def __init__(self, g: GGUFFile, spec: ModelSpec):
-        self.g, self.spec = g, spec
+    def __init__(self, g: GGUFFile, spec: ModelSpec, hooks: ArchHooks = DEFAULT_HOOKS):
+        self.g, self.spec, self.hooks = g, spec, hooks
+        self.fixups: dict[str, Fixup] = {}  # schema name -> its load-time fix-up
         self.records: dict[str, TensorRecord] = {}
         self.formats: dict[str, QuantSpec] = {}
         self.used: set[str] = set()
@@ -88,13 +90,15 @@ class _Builder:
                                             f"{list(want)} for unit {key}", tensor=t.name)
 
     def component(self, key: UnitKey, local: str, ts: TensorSpec) -> dict[str, TensorSpec]:
-        mapped = gguf_name(ts.hf_name)
+        mapped = self.hooks.name(ts.hf_name)
         if mapped is None:
             raise CheckpointFormatError(self.g.path, f"no GGUF name for tensor {ts.hf_name} of unit {key}")
         name, expert = mapped
         if ts.hf_name.endswith("kv_b_proj.weight") and name not in self.g.tensors:
             return self.kv_b(key, local, ts, name)
         t = self.tensor(name, key, ts.hf_name)
+        if (fix := self.hooks.fixup(name)) is not None:
+            return self.fixed(key, local, ts, t, fix)
         shape = self.logical(t, expert, ts.shape, key)
         heads = self.permuted_heads(ts.hf_name)
         if t.gtype in PLAIN and not heads:
@@ -107,6 +111,15 @@ class _Builder:
         rec = self.record(ts.hf_name, t, expert, shape)
         self.formats[ts.hf_name] = q
         return {primary_name(local, q): TensorSpec(ts.hf_name, rec.shape, dtype=rec.dtype)}
+
+    def fixed(self, key: UnitKey, local: str, ts: TensorSpec, t: GGUFTensor, fix: Fixup) -> dict[str, TensorSpec]:
+        """A plain tensor the converter transformed: recorded as stored, its fix-up applied when it is loaded."""
+        shape = self.logical(t, None, fix.stored_shape(ts.shape) if fix.stored_shape else ts.shape, key)
+        if t.gtype not in PLAIN:
+            raise ConfigError(f"{t.file}: tensor {t.name} ({fix.what}) is {t.gtype}; supported: {', '.join(PLAIN)}")
+        self.record(ts.hf_name, t, None, shape)
+        self.fixups[ts.hf_name] = fix
+        return {local: TensorSpec(ts.hf_name, shape)}
 
     def permuted_heads(self, hf_name: str) -> int:
         if self.spec.model_type not in PERMUTED_ARCHS:
@@ -144,14 +157,15 @@ def open_gguf_model(path: str | os.PathLike) -> ModelCheckpoint:
     config = build_config(g)
     spec = parse_config(config, g.path)
     naming = get_naming(spec.model_type, g.path)
-    args = naming.args(spec)
-    b = _Builder(g, spec)
+    hooks = ARCH_HOOKS.get(naming.name, DEFAULT_HOOKS)
+    args = hooks.args(naming.args(spec))
+    b = _Builder(g, spec, hooks)
     schema = ModelSchema()
     for key, specs in naming.schema(args, fused_experts=False).units.items():
         for local, ts in specs.items():
             for part, part_spec in b.component(key, local, ts).items():
                 schema.add(key, part, part_spec)
-    layouts = {key: build_layout(key, specs, b.records) for key, specs in schema.units.items()}
+    layouts = {key: with_fixups(build_layout(key, specs, b.records), b.fixups) for key, specs in schema.units.items()}
     index = CheckpointIndex(g.path, config, g.shards, b.records)
     unused = sorted(set(g.tensors) - b.used)
     return ModelCheckpoint(g.path, index, spec, naming, args, schema, layouts, False, unused, None, b.formats)
