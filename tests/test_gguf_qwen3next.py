@@ -5,19 +5,26 @@ where they can be, and bytes read = bytes on disk. Skipped when the converter is
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from offload_engine import Budget, Engine
 from offload_engine.checkpoint.model import open_model
 from offload_engine.checkpoint.naming import UnitKey
+from offload_engine.runtime.model import CausalLM
+from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count
 from offload_engine.store.resident import ResidentWeights
 from tests.test_formats_parity import check_against
-from tests.test_gguf import ALL, convert
+from tests.test_gguf import ALL, ROOT, convert
+from tests.test_qwen_mtp import NEW, PROMPT
 
 gguf = pytest.importorskip("gguf")
 HALF = (None, "25%")  # the `offload` preset: experts ~94% of the bytes, so a 25% budget streams them
@@ -122,3 +129,52 @@ def test_fixups_undo_the_converter_and_bytes_stay_as_stored(checkpoint_factory, 
     trunk = sum(n for name, n in on_disk.items() if block(name) < ck.spec.num_layers)
     assert sum(s.nbytes for layout in ck.layouts.values() for s in layout.slices) == trunk
     assert all(name.startswith(f"blk.{ck.spec.num_layers}.") for name in ck.unused_tensors)
+
+
+# ---- MTP layers (kept by the converter as blocks N.. with nextn.* names) -----------------------------------------
+def resident(path: Path) -> CausalLM:
+    ck = attach_mtp_units(open_model(path))
+    cpu = torch.device("cpu")
+    return CausalLM(ck, ResidentWeights(ck, cpu, torch.float32), cpu, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_mtp_layers_read_and_draft_as_the_folders_do(checkpoint_factory, tmp_path, arch):
+    """The MTP forward on the GGUF equals the folder's; greedy MTP drafting at a 25% budget is lossless and
+    accepts what it accepts on the folder (random MTP layers: the logits above are the check that matters)."""
+    folder = checkpoint_factory(arch, "offload")
+    path = convert(folder, tmp_path / "m.gguf")
+    ck = attach_mtp_units(open_model(path))
+    assert mtp_layer_count(ck) == 1 and not ck.unused_tensors
+    ids = torch.randint(0, ck.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for source in (folder, path):
+        model = resident(source)
+        head = MtpHead(model)
+        _, hidden = model.forward(ids, model.new_cache(len(ids)), return_hidden=True)
+        h0 = head.trunk_hidden(hidden)
+        logits.append(head.forward(0, ids[1:], h0[:-1], torch.arange(1, len(ids)), head.new_cache(64))[0])
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[0].abs().max()
+    accepted = []
+    for source in (folder, path):
+        with Engine.open(source, budget=Budget(ram="25%"), max_context=256, spec="mtp") as engine:
+            plain = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec="off")
+            done = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec="mtp", spec_depth=2)
+            assert done.token_ids == plain.token_ids and done.stats["by_drafter"]["mtp"]["steps"] > 0
+            accepted.append(done.stats["accepted_tokens"])
+    assert accepted[0] == accepted[1]
+
+
+def test_cli_inspect_plan_run(checkpoint_factory, tmp_path):
+    """`inspect` counts the MTP blocks as MTP units (none unused), `plan` and `run` take the file."""
+    path = convert(checkpoint_factory("qwen3_5_moe_text"), tmp_path / "q8.gguf", "q8_0")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-c", "import sys; from offload_engine.cli import main; sys.exit(main())"]
+    out = subprocess.run(cli + ["inspect", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "GGUF qwen35moe" in out.stdout and "Q8_0" in out.stdout, out.stderr
+    assert re.search(r"^\s+mtp\s+\d+", out.stdout, re.M) and "unused" not in out.stdout, out.stdout
+    out = subprocess.run(cli + ["plan", "--model", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "qwen3_5_moe" in out.stdout, out.stderr
+    out = subprocess.run(cli + ["run", "--model", str(path), "--prompt", "def f", "--max-new-tokens", "4"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr

@@ -43,6 +43,7 @@ import torch
 
 from ..checkpoint.layout import build_layout
 from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.opened import PrebuiltUnits
 from ..checkpoint.naming import UnitKey
 from ..errors import CheckpointFormatError
 from .kv_cache import KVCache
@@ -55,6 +56,8 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     the architecture has no MTP layers or none of their tensors is there; CheckpointFormatError naming the
     first missing or misshapen tensor when only some are."""
     make = getattr(checkpoint.arch, "mtp_schema", None)
+    if checkpoint.mtp is not None:  # resolved by the reader (a GGUF file's MTP blocks)
+        return _attach_prebuilt(checkpoint, checkpoint.mtp)
     if make is None:
         return checkpoint
     extra = make(checkpoint.args, fused_experts=checkpoint.fused_experts)
@@ -83,6 +86,15 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     layouts = {**checkpoint.layouts, **{k: build_layout(k, specs, tensors) for k, specs in extra.units.items()}}
     unused = sorted(set(checkpoint.unused_tensors) - names)
     return dataclasses.replace(checkpoint, schema=schema, layouts=layouts, unused_tensors=unused)
+
+
+def _attach_prebuilt(checkpoint: ModelCheckpoint, mtp: PrebuiltUnits) -> ModelCheckpoint:
+    if all(k in checkpoint.schema.units for k in mtp.schema.units):
+        return checkpoint
+    schema = dataclasses.replace(checkpoint.schema, units={**checkpoint.schema.units, **mtp.schema.units})
+    return dataclasses.replace(checkpoint, schema=schema, layouts={**checkpoint.layouts, **mtp.layouts},
+                               formats={**checkpoint.formats, **mtp.formats},
+                               unused_tensors=sorted(set(checkpoint.unused_tensors) - mtp.tensors))
 
 
 MTP_OPS = ("mtp_input", "mtp_output", "final_norm", "head_logits")  # what an architecture's ops must provide

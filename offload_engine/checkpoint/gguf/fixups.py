@@ -53,6 +53,7 @@ class ArchHooks:
     name: Callable[[str], tuple[str, int | None] | None] = gguf_name  # schema name -> (GGUF name, expert)
     fixup: Callable[[str], Fixup | None] = lambda gguf_tensor: None  # by GGUF tensor name
     args: Callable[[Any], Any] = lambda args: args  # the naming's args, adjusted to the file's layout
+    mtp_name: Callable[[str, int], tuple[str, int | None] | None] | None = None  # (MTP schema name, trunk layers)
 
 
 DEFAULT_HOOKS = ArchHooks()

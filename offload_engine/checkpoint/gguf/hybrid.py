@@ -11,7 +11,8 @@ hybrid architectures' config (checkpoint/arch/qwen3_next.py), their tensor names
   Qwen3.5 value heads (Hv > Hk)             reordered from grouped by key     read as stored: `v_heads_tiled`
                                             head to tiled (qkv's v rows, z,  (value head i reads key head
                                             b, a, A, dt_bias, conv, out_proj) i % Hk): every tensor consistently
-  MTP layers                                kept as blocks N.. with nextn.*   (not read yet: listed as unused)
+  MTP layers (mtp.*)                        blocks N.. with nextn.* names    names only (resolved at open,
+                                                                             added by attach_mtp_units)
 
 The value-head order and the split projections are left as stored, so matrices keep their bytes (block types
 included) and the kernels read them as they are; only vectors are fixed, when a unit's tensors are built.
@@ -21,6 +22,7 @@ not convert faithfully.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from ...errors import CheckpointFormatError
@@ -89,6 +91,19 @@ def hybrid_name(hf_name: str) -> tuple[str, int | None] | None:
     return gguf_name(hf_name)
 
 
+_MTP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def mtp_name(hf_name: str, layers: int) -> tuple[str, int | None] | None:
+    """MTP schema names (checkpoint/arch/qwen3_next.py mtp_schema) -> the converter's: MTP layer i is block
+    layers + i, its fc and norms block `layers`'s nextn.* tensors."""
+    if hf_name in _MTP:
+        return f"blk.{layers}.{_MTP[hf_name]}", None
+    m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", hf_name)
+    return hybrid_name(f"model.layers.{layers + int(m.group(1))}.{m.group(2)}") if m else None
+
+
 _NORM = Fixup("zero-centred norm stored as 1 + w", minus_one)
 _A = Fixup("A_log stored as -exp(A_log)", log_of_negated)
 _CONV = Fixup("conv1d stored squeezed", unsqueeze_middle, squeeze_middle)
@@ -114,5 +129,5 @@ def _moe35_args(a: HybridArgs) -> HybridArgs:
     return dataclasses.replace(a, deltanet=dataclasses.replace(d, v_heads_tiled=d.num_v_heads != d.num_k_heads))
 
 
-HOOKS = {"qwen3_next": ArchHooks(hybrid_name, fixup, _next_args),
-         "qwen3_5_moe": ArchHooks(hybrid_name, fixup, _moe35_args)}
+HOOKS = {"qwen3_next": ArchHooks(hybrid_name, fixup, _next_args, mtp_name),
+         "qwen3_5_moe": ArchHooks(hybrid_name, fixup, _moe35_args, mtp_name)}

@@ -11,6 +11,8 @@ weight of those two tensors.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 from ...errors import CheckpointFormatError, ConfigError
@@ -18,9 +20,9 @@ from ..arch import get_naming
 from ..formats import QuantSpec, part_name, primary_name
 from ..hf_config import ModelSpec, parse_config
 from ..index import CheckpointIndex, TensorRecord
-from ..layout import build_layout
+from ..layout import UnitLayout, build_layout
 from ..naming import ModelSchema, TensorSpec, UnitKey
-from ..opened import ModelCheckpoint
+from ..opened import ModelCheckpoint, PrebuiltUnits
 from .config import build_config
 from .fixups import DEFAULT_HOOKS, ArchHooks, Fixup, with_fixups
 from .hybrid import HOOKS as ARCH_HOOKS  # per-architecture names, args and load-time fix-ups (fixups.py)
@@ -160,12 +162,30 @@ def open_gguf_model(path: str | os.PathLike) -> ModelCheckpoint:
     hooks = ARCH_HOOKS.get(naming.name, DEFAULT_HOOKS)
     args = hooks.args(naming.args(spec))
     b = _Builder(g, spec, hooks)
+    schema, layouts = _resolve(b, naming.schema(args, fused_experts=False))
+    index = CheckpointIndex(g.path, config, g.shards, b.records)
+    unused = sorted(set(g.tensors) - b.used)
+    return ModelCheckpoint(g.path, index, spec, naming, args, schema, layouts, False, unused, None, b.formats,
+                           _mtp_units(g, spec, naming, args, hooks))
+
+
+def _resolve(b: _Builder, wanted: ModelSchema) -> tuple[ModelSchema, dict[UnitKey, UnitLayout]]:
+    """The schema's units as the file holds them, and their layouts (with the fix-ups of their tensors)."""
     schema = ModelSchema()
-    for key, specs in naming.schema(args, fused_experts=False).units.items():
+    for key, specs in wanted.units.items():
         for local, ts in specs.items():
             for part, part_spec in b.component(key, local, ts).items():
                 schema.add(key, part, part_spec)
-    layouts = {key: with_fixups(build_layout(key, specs, b.records), b.fixups) for key, specs in schema.units.items()}
-    index = CheckpointIndex(g.path, config, g.shards, b.records)
-    unused = sorted(set(g.tensors) - b.used)
-    return ModelCheckpoint(g.path, index, spec, naming, args, schema, layouts, False, unused, None, b.formats)
+    return schema, {key: with_fixups(build_layout(key, specs, b.records), b.fixups)
+                    for key, specs in schema.units.items()}
+
+
+def _mtp_units(g: GGUFFile, spec: ModelSpec, naming, args, hooks: ArchHooks) -> PrebuiltUnits | None:
+    """The MTP layers llama.cpp keeps as blocks N.. (N trunk layers), for runtime/mtp.attach_mtp_units."""
+    make = getattr(naming, "mtp_schema", None)
+    wanted = make(args) if make is not None and hooks.mtp_name is not None else None
+    if wanted is None or not wanted.units:
+        return None
+    b = _Builder(g, spec, dataclasses.replace(hooks, name=functools.partial(hooks.mtp_name, layers=spec.num_layers)))
+    schema, layouts = _resolve(b, wanted)
+    return PrebuiltUnits(schema, layouts, b.formats, frozenset(b.used))
