@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from offload_engine import Budget, Engine
 from offload_engine.checkpoint.model import open_model
 from offload_engine.checkpoint.naming import UnitKey
+from offload_engine.errors import CheckpointFormatError, ConfigError
 from offload_engine.runtime.model import CausalLM
 from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count
 from offload_engine.store.resident import ResidentWeights
 from tests.test_formats_parity import check_against
 from tests.test_gguf import ALL, ROOT, convert
 from tests.test_qwen_mtp import NEW, PROMPT
+from tools.gguf_from_hf import encode_tensor
 
 gguf = pytest.importorskip("gguf")
 HALF = (None, "25%")  # the `offload` preset: experts ~94% of the bytes, so a 25% budget streams them
@@ -178,3 +181,92 @@ def test_cli_inspect_plan_run(checkpoint_factory, tmp_path):
     out = subprocess.run(cli + ["run", "--model", str(path), "--prompt", "def f", "--max-new-tokens", "4"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+# ---- K-quants: 256-value blocks that span value heads --------------------------------------------------------------
+def reencoded(src: Path, out: Path, gtype: str, override: dict[str, str] | None = None, drop: str = "") -> Path:
+    """The converter's F32 file with its matrices re-encoded as `gtype` (tools/gguf_from_hf.py's encoder: random
+    valid blocks for the K-quants) where their rows are whole blocks, routers and conv taps F32 as llama.cpp keeps
+    them; metadata and every other tensor as they are (bad files: `override` some tensors' types, `drop` a key)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if not key.startswith("GGUF.") and key not in ("general.architecture", drop):
+            w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    rng = np.random.default_rng(0)
+    per = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]][0]
+    for t in r.tensors:
+        data = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
+        keep = data.ndim < 2 or data.shape[-1] % per or "ffn_gate_inp" in t.name or "ssm_conv1d" in t.name
+        data, qt = encode_tensor(data, (override or {}).get(t.name, "F32" if keep else gtype), rng)
+        w.add_tensor(t.name, data, raw_dtype=qt)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return out
+
+
+def grouped(t: torch.Tensor, dim: int, k_heads: int, head_dim: int) -> torch.Tensor:
+    """The converter's value-head reorder (grouped by key head -> tiled) undone along `dim`."""
+    shape = list(t.shape)
+    r = shape[dim] // (k_heads * head_dim)
+    return t.reshape(*shape[:dim], r, k_heads, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def dequantized_source(src: Path, path: Path, out: Path) -> Path:
+    """The text-only Qwen3.5 folder `src` with every matrix the file stores quantized replaced by the `gguf`
+    package's dequantization of it, the converter's reorders undone (value heads back to grouped order in
+    in_proj_qkv's v rows, in_proj_z / b / a rows and out_proj's columns)."""
+    cfg = json.loads((src / "config.json").read_text())
+    hk, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, cfg["num_hidden_layers"] + 1)
+    plain, replaced = {}, 0
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$", name)
+            stem = name.removesuffix(".weight")
+            stored = f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight" if m else f"{names.get_name(stem)}.weight"
+            if name.startswith("mtp.") or t.ndim < 2 or tensors[stored].tensor_type.name == "F32":
+                plain[name] = t
+                continue
+            value = torch.from_numpy(np.array(gguf.quants.dequantize(tensors[stored].data,
+                                                                     tensors[stored].tensor_type), np.float32))
+            value = value[int(m.group(2))] if m else value.reshape(t.shape)
+            if name.endswith("in_proj_qkv.weight"):
+                value = torch.cat([value[:2 * hk * dk], grouped(value[2 * hk * dk:], 0, hk, dv)])
+            elif name.endswith("in_proj_z.weight"):
+                value = grouped(value, 0, hk, dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+                value = grouped(value, 0, hk, 1)
+            elif name.endswith("linear_attn.out_proj.weight"):
+                value = grouped(value, 1, hk, dv)
+            plain[name] = value.reshape(t.shape)
+            replaced += 1
+    assert replaced > 10
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(plain, out / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix == ".json" and "index" not in f.name:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("gtype", ["Q4_K", "Q6_K"])
+def test_k_quants_match_transformers_on_the_dequantized_weights(checkpoint_factory, tmp_path, gtype):
+    """The `small` preset (hidden 256, dv 128): a 256-value block of out_proj spans two value heads, so its
+    columns cannot be put back in the source's order before decoding; the engine reads them as stored (Q4_K
+    through the CPU int4 kernel)."""
+    folder = checkpoint_factory("qwen3_5_moe_text", "small")
+    path = reencoded(convert(folder, tmp_path / "f32.gguf"), tmp_path / f"{gtype}.gguf", gtype)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ssm_out.weight"] == types["blk.0.attn_qkv.weight"] == gtype
+    check_against(path, dequantized_source(folder, path, tmp_path / "ref"), ALL)
+
+
+def test_bad_files_are_refused_by_name(checkpoint_factory, tmp_path):
+    """A tensor with a fix-up (a norm stored as 1 + w) in a block type, and a missing DeltaNet key."""
+    f32 = convert(checkpoint_factory("qwen3_5_moe_text"), tmp_path / "f32.gguf")
+    bad = reencoded(f32, tmp_path / "norm.gguf", "F32", override={"blk.1.attn_norm.weight": "Q8_0"})
+    with pytest.raises(ConfigError, match=r"blk\.1\.attn_norm\.weight \(zero-centred norm stored as 1 \+ w\) is Q8_0"):
+        open_model(bad)
+    with pytest.raises(CheckpointFormatError, match=r"qwen35moe\.ssm\.group_count missing"):
+        open_model(reencoded(f32, tmp_path / "key.gguf", "F32", drop="qwen35moe.ssm.group_count"))
