@@ -184,10 +184,13 @@ def test_cli_inspect_plan_run(checkpoint_factory, tmp_path):
 
 
 # ---- K-quants: 256-value blocks that span value heads --------------------------------------------------------------
-def reencoded(src: Path, out: Path, gtype: str, override: dict[str, str] | None = None, drop: str = "") -> Path:
+def reencoded(src: Path, out: Path, gtype: str, override: dict[str, str] | None = None, drop: str = "",
+              legacy: bool = False) -> Path:
     """The converter's F32 file with its matrices re-encoded as `gtype` (tools/gguf_from_hf.py's encoder: random
     valid blocks for the K-quants) where their rows are whole blocks, routers and conv taps F32 as llama.cpp keeps
-    them; metadata and every other tensor as they are (bad files: `override` some tensors' types, `drop` a key)."""
+    them; metadata and every other tensor as they are (bad files: `override` some tensors' types, `drop` a key).
+    `legacy`: Qwen3-Next's attn_qkv and attn_gate merged back into the source's in_proj_qkvz, named ssm_in, as
+    llama.cpp's earlier converter wrote it (its runtime still reads those files, per key head)."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
@@ -195,11 +198,19 @@ def reencoded(src: Path, out: Path, gtype: str, override: dict[str, str] | None 
             w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
     rng = np.random.default_rng(0)
     per = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]][0]
-    for t in r.tensors:
-        data = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
-        keep = data.ndim < 2 or data.shape[-1] % per or "ffn_gate_inp" in t.name or "ssm_conv1d" in t.name
-        data, qt = encode_tensor(data, (override or {}).get(t.name, "F32" if keep else gtype), rng)
-        w.add_tensor(t.name, data, raw_dtype=qt)
+    arrays = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
+    if legacy:
+        meta = {k.rpartition(".")[2]: int(f.contents()) for k, f in r.fields.items() if ".ssm." in k}
+        hk, dk = meta["group_count"], meta["state_size"]
+        for name in [n for n in arrays if n.endswith("attn_qkv.weight")]:
+            qkv, z = arrays.pop(name), arrays.pop(name.replace("attn_qkv", "attn_gate"))
+            q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+            per_head = [x.reshape(hk, -1, x.shape[-1]) for x in (q, k, v, z)]
+            arrays[name.replace("attn_qkv", "ssm_in")] = np.concatenate(per_head, axis=1).reshape(-1, qkv.shape[-1])
+    for name, data in arrays.items():
+        keep = data.ndim < 2 or data.shape[-1] % per or "ffn_gate_inp" in name or "ssm_conv1d" in name
+        data, qt = encode_tensor(data, (override or {}).get(name, "F32" if keep else gtype), rng)
+        w.add_tensor(name, data, raw_dtype=qt)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return out
 
@@ -270,3 +281,12 @@ def test_bad_files_are_refused_by_name(checkpoint_factory, tmp_path):
         open_model(bad)
     with pytest.raises(CheckpointFormatError, match=r"qwen35moe\.ssm\.group_count missing"):
         open_model(reencoded(f32, tmp_path / "key.gguf", "F32", drop="qwen35moe.ssm.group_count"))
+
+
+def test_legacy_qwen3next_file_with_ssm_in(checkpoint_factory, tmp_path):
+    """Qwen3-Next files from llama.cpp's earlier converter hold in_proj_qkvz as the source has it (`ssm_in`)."""
+    folder = checkpoint_factory("qwen3_next", "offload")
+    path = reencoded(convert(folder, tmp_path / "f32.gguf"), tmp_path / "legacy.gguf", "F32", legacy=True)
+    assert "blk.0.ssm_in.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    assert not open_model(path).args.split_qkvz
+    check_against(path, folder, ALL)

@@ -52,7 +52,7 @@ class ArchHooks:
     """What differs between an architecture's GGUF files and its schema beyond names.py's table."""
     name: Callable[[str], tuple[str, int | None] | None] = gguf_name  # schema name -> (GGUF name, expert)
     fixup: Callable[[str], Fixup | None] = lambda gguf_tensor: None  # by GGUF tensor name
-    args: Callable[[Any], Any] = lambda args: args  # the naming's args, adjusted to the file's layout
+    args: Callable[[Any, Any], Any] = lambda args, g: args  # the naming's args, adjusted to file g's layout
     mtp_name: Callable[[str, int], tuple[str, int | None] | None] | None = None  # (MTP schema name, trunk layers)
 
 

@@ -8,6 +8,7 @@ hybrid architectures' config (checkpoint/arch/qwen3_next.py), their tensor names
   dt_bias                                   named ssm_dt.bias                names only
   Qwen3-Next in_proj_qkvz                   split into attn_qkv (q | k | v,  read as stored: `split_qkvz` args,
                                             each over all heads) + attn_gate  the layout Qwen3.5 releases have
+                                            (earlier converter: as is, ssm_in) (ssm_in: in_proj_qkvz as it is)
   Qwen3.5 value heads (Hv > Hk)             reordered from grouped by key     read as stored: `v_heads_tiled`
                                             head to tiled (qkv's v rows, z,  (value head i reads key head
                                             b, a, A, dt_bias, conv, out_proj) i % Hk): every tensor consistently
@@ -32,8 +33,9 @@ from .names import LAYER, gguf_name
 from .reader import GGUFFile
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text")  # config.py's ARCHS values for qwen3next, qwen35moe
-_LINEAR = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta", "in_proj_a": "ssm_alpha",
-           "in_proj_ba": "ssm_ba", "conv1d": "ssm_conv1d", "norm": "ssm_norm", "out_proj": "ssm_out"}
+_LINEAR = {"in_proj_qkvz": "ssm_in", "in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta",
+           "in_proj_a": "ssm_alpha", "in_proj_ba": "ssm_ba", "conv1d": "ssm_conv1d", "norm": "ssm_norm",
+           "out_proj": "ssm_out"}
 _LEAF = {"linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
          "post_attention_layernorm.weight": "post_attention_norm.weight"}
 
@@ -120,11 +122,14 @@ def fixup(name: str) -> Fixup | None:
     return None
 
 
-def _next_args(a: HybridArgs) -> HybridArgs:
-    return dataclasses.replace(a, split_qkvz=True)
+def _next_args(a: HybridArgs, g: GGUFFile) -> HybridArgs:
+    """Split q|k|v and z unless the file is a legacy one with the source's in_proj_qkvz as `ssm_in` (llama.cpp
+    still reads those, per key head, as the source has it)."""
+    legacy = bool(a.linear_layers) and f"blk.{a.linear_layers[0]}.ssm_in.weight" in g.tensors
+    return dataclasses.replace(a, split_qkvz=not legacy)
 
 
-def _moe35_args(a: HybridArgs) -> HybridArgs:
+def _moe35_args(a: HybridArgs, g: GGUFFile) -> HybridArgs:
     d = a.deltanet  # the converter reorders only when the head counts differ
     return dataclasses.replace(a, deltanet=dataclasses.replace(d, v_heads_tiled=d.num_v_heads != d.num_k_heads))
 

@@ -160,7 +160,7 @@ def open_gguf_model(path: str | os.PathLike) -> ModelCheckpoint:
     spec = parse_config(config, g.path)
     naming = get_naming(spec.model_type, g.path)
     hooks = ARCH_HOOKS.get(naming.name, DEFAULT_HOOKS)
-    args = hooks.args(naming.args(spec))
+    args = hooks.args(naming.args(spec), g)
     b = _Builder(g, spec, hooks)
     schema, layouts = _resolve(b, naming.schema(args, fused_experts=False))
     index = CheckpointIndex(g.path, config, g.shards, b.records)
