@@ -18,7 +18,8 @@ from .reader import GGUFFile
 
 # general.architecture -> the engine's model_type (llama with experts is Mixtral, as llama.cpp writes it)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-         "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
+         "deepseek2": "deepseek_v3"}
+ARCHS.update(hybrid.ARCHS)  # qwen3next, qwen35moe (hybrid.py)
 
 
 def model_type(g: GGUFFile) -> str:

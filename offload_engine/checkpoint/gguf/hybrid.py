@@ -32,7 +32,8 @@ from .fixups import ArchHooks, Fixup, log_of_negated, minus_one, squeeze_middle,
 from .names import LAYER, gguf_name
 from .reader import GGUFFile
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text")  # config.py's ARCHS values for qwen3next, qwen35moe
+ARCHS = {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}  # general.architecture -> model_type
+MODEL_TYPES = tuple(ARCHS.values())
 _LINEAR = {"in_proj_qkvz": "ssm_in", "in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta",
            "in_proj_a": "ssm_alpha", "in_proj_ba": "ssm_ba", "conv1d": "ssm_conv1d", "norm": "ssm_norm",
            "out_proj": "ssm_out"}
