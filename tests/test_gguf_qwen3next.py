@@ -128,6 +128,17 @@ def test_fixups_undo_the_converter_and_bytes_stay_as_stored(checkpoint_factory, 
         ref = ref.view(d.num_k_heads, r).T.reshape(-1)
     torch.testing.assert_close(a_log.exp(), ref.exp(), rtol=2 ** -23, atol=0)
     assert unit["linear_attn.conv1d.weight"].shape == src["model.layers.0.linear_attn.conv1d.weight"].shape
+    layout = ck.layouts[UnitKey(0, "dense")]  # a slot's bytes stay the file's; each build fixes them afresh
+    blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for r in layout.read_ranges():
+        with open(r.file, "rb") as f:
+            f.seek(r.file_offset)
+            data = bytearray(f.read(r.nbytes))
+        blob[r.blob_offset:r.blob_offset + r.nbytes] = torch.frombuffer(data, dtype=torch.uint8)
+    stored = blob.clone()
+    first, again = layout.views(blob), layout.views(blob)
+    assert torch.equal(blob, stored) and torch.equal(first["input_layernorm.weight"], again["input_layernorm.weight"])
+    assert torch.equal(first["input_layernorm.weight"], norm)
     on_disk = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     trunk = sum(n for name, n in on_disk.items() if block(name) < ck.spec.num_layers)
     assert sum(s.nbytes for layout in ck.layouts.values() for s in layout.slices) == trunk
