@@ -55,9 +55,9 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     """The checkpoint with its MTP units in schema and layouts when every MTP tensor is present; unchanged when
     the architecture has no MTP layers or none of their tensors is there; CheckpointFormatError naming the
     first missing or misshapen tensor when only some are."""
-    make = getattr(checkpoint.arch, "mtp_schema", None)
     if checkpoint.mtp is not None:  # resolved by the reader (a GGUF file's MTP blocks)
         return _attach_prebuilt(checkpoint, checkpoint.mtp)
+    make = getattr(checkpoint.arch, "mtp_schema", None)
     if make is None:
         return checkpoint
     extra = make(checkpoint.args, fused_experts=checkpoint.fused_experts)

@@ -7,7 +7,10 @@ unchanged. A routed expert is its byte range inside the fused `ffn_*_exps` tenso
 type (Q4_K, ...), or one whose rows llama.cpp permuted (Llama's q/k for its rope), becomes a weight of format
 `gguf` (checkpoint/formats.QuantSpec: the GGUF type, the rows to unpermute) that runtime/gguf_dequant.py turns
 back into the [out, in] matrix; DeepSeek's kv_b_proj, which llama.cpp splits into k_b and v_b, is a `gguf_kvb`
-weight of those two tensors.
+weight of those two tensors. Where an architecture's files differ further (hybrid.py: Qwen3-Next, Qwen3.5-MoE),
+its ArchHooks (fixups.py) give its names, the args the file's layout implies, the fix-ups of the tensors the
+converter transformed (applied when a unit's tensors are built from its bytes) and its MTP blocks, which
+runtime/mtp.attach_mtp_units adds when they are wanted.
 """
 from __future__ import annotations
 
