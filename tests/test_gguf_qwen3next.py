@@ -34,19 +34,26 @@ HALF = (None, "25%")  # the `offload` preset: experts ~94% of the bytes, so a 25
 GGUF_ARCH = {"qwen3_next": "QWEN3NEXT", "qwen3_5_moe": "QWEN35MOE", "qwen3_5_moe_text": "QWEN35MOE"}
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """converted(folder, outtype="f32") -> the folder as llama.cpp's converter writes it, once per module."""
+    root = tmp_path_factory.mktemp("gguf")
+    return lambda folder, outtype="f32": convert(folder, root / f"{folder.name}.{outtype}.gguf", outtype)
+
+
 @pytest.mark.parametrize("arch,preset,budgets", [("qwen3_next", "offload", HALF), ("qwen3_5_moe", "offload", HALF),
                                                  ("qwen3_5_moe_text", "tiny", ALL)])
-def test_llama_cpp_converter_f32_matches_transformers(checkpoint_factory, tmp_path, arch, preset, budgets):
+def test_llama_cpp_converter_f32_matches_transformers(checkpoint_factory, converted, arch, preset, budgets):
     """qwen3_5_moe: the released vision-language layout (Qwen3_5MoeForConditionalGeneration, fused experts);
     qwen3_5_moe_text: transformers' text-only save. Both have Hv = 2 Hk, so the value heads were reordered."""
     folder = checkpoint_factory(arch, preset)
-    check_against(convert(folder, tmp_path / f"{arch}.gguf"), folder, budgets)
+    check_against(converted(folder), folder, budgets)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
-def test_llama_cpp_converter_bf16(checkpoint_factory, tmp_path, arch):
+def test_llama_cpp_converter_bf16(checkpoint_factory, converted, arch):
     folder = checkpoint_factory(arch, "offload", dtype="bfloat16")
-    check_against(convert(folder, tmp_path / "bf16.gguf", "bf16"), folder, ("25%",))
+    check_against(converted(folder, "bf16"), folder, ("25%",))
 
 
 def q8_round_trip_folder(src: Path, gguf_path: Path, out: Path) -> Path:
@@ -93,9 +100,9 @@ def q8_round_trip_folder(src: Path, gguf_path: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("arch,preset", [("qwen3_next", "offload"), ("qwen3_5_moe_text", "tiny")])
-def test_llama_cpp_converter_q8_0(checkpoint_factory, tmp_path, arch, preset):
+def test_llama_cpp_converter_q8_0(checkpoint_factory, converted, tmp_path, arch, preset):
     folder = checkpoint_factory(arch, preset)
-    path = convert(folder, tmp_path / "q8.gguf", "q8_0")
+    path = converted(folder, "q8_0")
     assert "Q8_0" in {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "attn_qkv" in t.name}
     check_against(path, q8_round_trip_folder(folder, path, tmp_path / "ref"), ("25%",) if preset == "offload" else ALL)
 
@@ -106,12 +113,12 @@ def block(name: str) -> int:
 
 
 @pytest.mark.parametrize("arch,preset", [("qwen3_next", "offload"), ("qwen3_5_moe_text", "tiny")])
-def test_fixups_undo_the_converter_and_bytes_stay_as_stored(checkpoint_factory, tmp_path, arch, preset):
+def test_fixups_undo_the_converter_and_bytes_stay_as_stored(checkpoint_factory, converted, arch, preset):
     """Norms come back bit for bit (the runtime's 1 + w equals the stored 1 + w), A_log within an ulp of exp,
     conv taps as [C, 1, K] views; every byte of a unit is a byte of the file, and the units hold exactly the
     trunk's tensors (the MTP blocks aside)."""
     folder = checkpoint_factory(arch, preset)
-    path = convert(folder, tmp_path / "m.gguf")
+    path = converted(folder)
     ck = open_model(path)
     src = {}
     for f in folder.glob("*.safetensors"):
@@ -153,11 +160,11 @@ def resident(path: Path) -> CausalLM:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
-def test_mtp_layers_read_and_draft_as_the_folders_do(checkpoint_factory, tmp_path, arch):
+def test_mtp_layers_read_and_draft_as_the_folders_do(checkpoint_factory, converted, arch):
     """The MTP forward on the GGUF equals the folder's; greedy MTP drafting at a 25% budget is lossless and
     accepts what it accepts on the folder (random MTP layers: the logits above are the check that matters)."""
     folder = checkpoint_factory(arch, "offload")
-    path = convert(folder, tmp_path / "m.gguf")
+    path = converted(folder)
     ck = attach_mtp_units(open_model(path))
     assert mtp_layer_count(ck) == 1 and not ck.unused_tensors
     ids = torch.randint(0, ck.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
@@ -179,9 +186,9 @@ def test_mtp_layers_read_and_draft_as_the_folders_do(checkpoint_factory, tmp_pat
     assert accepted[0] == accepted[1]
 
 
-def test_cli_inspect_plan_run(checkpoint_factory, tmp_path):
+def test_cli_inspect_plan_run(checkpoint_factory, converted):
     """`inspect` counts the MTP blocks as MTP units (none unused), `plan` and `run` take the file."""
-    path = convert(checkpoint_factory("qwen3_5_moe_text"), tmp_path / "q8.gguf", "q8_0")
+    path = converted(checkpoint_factory("qwen3_5_moe_text"), "q8_0")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = [sys.executable, "-c", "import sys; from offload_engine.cli import main; sys.exit(main())"]
     out = subprocess.run(cli + ["inspect", str(path)], capture_output=True, text=True, env=env, timeout=300)
@@ -273,20 +280,20 @@ def dequantized_source(src: Path, path: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("gtype", ["Q4_K", "Q6_K"])
-def test_k_quants_match_transformers_on_the_dequantized_weights(checkpoint_factory, tmp_path, gtype):
+def test_k_quants_match_transformers_on_the_dequantized_weights(checkpoint_factory, converted, tmp_path, gtype):
     """The `small` preset (hidden 256, dv 128): a 256-value block of out_proj spans two value heads, so its
     columns cannot be put back in the source's order before decoding; the engine reads them as stored (Q4_K
     through the CPU int4 kernel)."""
     folder = checkpoint_factory("qwen3_5_moe_text", "small")
-    path = reencoded(convert(folder, tmp_path / "f32.gguf"), tmp_path / f"{gtype}.gguf", gtype)
+    path = reencoded(converted(folder), tmp_path / f"{gtype}.gguf", gtype)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ssm_out.weight"] == types["blk.0.attn_qkv.weight"] == gtype
     check_against(path, dequantized_source(folder, path, tmp_path / "ref"), ALL)
 
 
-def test_bad_files_are_refused_by_name(checkpoint_factory, tmp_path):
+def test_bad_files_are_refused_by_name(checkpoint_factory, converted, tmp_path):
     """A tensor with a fix-up (a norm stored as 1 + w) in a block type, and a missing DeltaNet key."""
-    f32 = convert(checkpoint_factory("qwen3_5_moe_text"), tmp_path / "f32.gguf")
+    f32 = converted(checkpoint_factory("qwen3_5_moe_text"))
     bad = reencoded(f32, tmp_path / "norm.gguf", "F32", override={"blk.1.attn_norm.weight": "Q8_0"})
     with pytest.raises(ConfigError, match=r"blk\.1\.attn_norm\.weight \(zero-centred norm stored as 1 \+ w\) is Q8_0"):
         open_model(bad)
@@ -294,10 +301,10 @@ def test_bad_files_are_refused_by_name(checkpoint_factory, tmp_path):
         open_model(reencoded(f32, tmp_path / "key.gguf", "F32", drop="qwen35moe.ssm.group_count"))
 
 
-def test_legacy_qwen3next_file_with_ssm_in(checkpoint_factory, tmp_path):
+def test_legacy_qwen3next_file_with_ssm_in(checkpoint_factory, converted, tmp_path):
     """Qwen3-Next files from llama.cpp's earlier converter hold in_proj_qkvz as the source has it (`ssm_in`)."""
     folder = checkpoint_factory("qwen3_next", "offload")
-    path = reencoded(convert(folder, tmp_path / "f32.gguf"), tmp_path / "legacy.gguf", "F32", legacy=True)
+    path = reencoded(converted(folder), tmp_path / "legacy.gguf", "F32", legacy=True)
     assert "blk.0.ssm_in.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     assert not open_model(path).args.split_qkvz
     check_against(path, folder, ALL)
