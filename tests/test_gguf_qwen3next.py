@@ -25,7 +25,9 @@ from offload_engine.runtime.model import CausalLM
 from offload_engine.runtime.mtp import MtpHead, attach_mtp_units, mtp_layer_count
 from offload_engine.store.resident import ResidentWeights
 from tests.test_formats_parity import check_against
-from tests.test_gguf import ALL, ROOT, convert
+from offload_engine.checkpoint.gguf.tokenizer import QWEN35
+from offload_engine.tokenizer import Tokenizer
+from tests.test_gguf import ALL, ROOT, convert, llama_cpp_dir
 from tests.test_qwen_mtp import NEW, PROMPT
 from tools.gguf_from_hf import encode_tensor
 
@@ -203,17 +205,19 @@ def test_cli_inspect_plan_run(checkpoint_factory, converted):
 
 # ---- K-quants: 256-value blocks that span value heads --------------------------------------------------------------
 def reencoded(src: Path, out: Path, gtype: str, override: dict[str, str] | None = None, drop: str = "",
-              legacy: bool = False) -> Path:
+              legacy: bool = False, meta: dict[str, str] | None = None) -> Path:
     """The converter's F32 file with its matrices re-encoded as `gtype` (tools/gguf_from_hf.py's encoder: random
     valid blocks for the K-quants) where their rows are whole blocks, routers and conv taps F32 as llama.cpp keeps
-    them; metadata and every other tensor as they are (bad files: `override` some tensors' types, `drop` a key).
+    them; metadata and every other tensor as they are (bad files: `override` some tensors' types, `drop` a key;
+    `meta`: string values replaced).
     `legacy`: Qwen3-Next's attn_qkv and attn_gate merged back into the source's in_proj_qkvz, named ssm_in, as
     llama.cpp's earlier converter wrote it (its runtime still reads those files, per key head)."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
         if not key.startswith("GGUF.") and key not in ("general.architecture", drop):
-            w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            value = (meta or {}).get(key, field.contents())
+            w.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
     rng = np.random.default_rng(0)
     per = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]][0]
     arrays = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
@@ -308,3 +312,19 @@ def test_legacy_qwen3next_file_with_ssm_in(checkpoint_factory, converted, tmp_pa
     assert "blk.0.ssm_in.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     assert not open_model(path).args.split_qkvz
     check_against(path, folder, ALL)
+
+
+def test_qwen35_pre_tokenizer(checkpoint_factory, converted, tmp_path):
+    """Qwen3.5/3.6 files say tokenizer.ggml.pre "qwen35": its regex is the one llama.cpp quotes from the release's
+    tokenizer.json (llama-vocab.cpp), and a file saying it opens and round-trips text."""
+    source = (llama_cpp_dir() or Path("/nonexistent")) / "src" / "llama-vocab.cpp"
+    if not source.is_file():
+        pytest.skip(f"llama.cpp's {source.name} not found")
+    case = source.read_text().split("case LLAMA_VOCAB_PRE_TYPE_QWEN35:", 1)[1]
+    quoted = re.search(r'// original regex from tokenizer.json\s*// "(.*)"', case).group(1)
+    assert "".join(QWEN35) == quoted.replace("\\\\", "\\")
+    path = reencoded(converted(checkpoint_factory("qwen3_5_moe_text")), tmp_path / "q35.gguf", "F32",
+                     meta={"tokenizer.ggml.pre": "qwen35"})
+    tok = Tokenizer.load_optional(path)
+    text = "def café(x):\n    return x + 12345  # naïve\u0301 'll"
+    assert tok.decode(tok.encode(text)) == text
