@@ -173,7 +173,7 @@ def _tokenizer(w, folder: Path) -> None:
     w.add_chat_template(tcfg["chat_template"])
 
 
-def _encode(t: np.ndarray, gtype: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+def encode_tensor(t: np.ndarray, gtype: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
     import gguf
 
     qt = gguf.GGMLQuantizationType[gtype]
@@ -227,7 +227,7 @@ def write_gguf(folder: str | Path, out: str | Path, gtype: str = "F32", split_te
         kind = gtype if t.ndim >= 2 and t.shape[-1] % 32 == 0 and (
             gtype not in RANDOM_BLOCKS or t.shape[-1] % 256 == 0) else "F32"
         kind = (override or {}).get(mapped + suffix, kind)
-        data, qt = _encode(t.numpy(), kind, rng)
+        data, qt = encode_tensor(t.numpy(), kind, rng)
         w.add_tensor(mapped + suffix, data, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

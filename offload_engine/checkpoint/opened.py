@@ -14,6 +14,17 @@ from .naming import ModelSchema, UnitKey
 from .quant_config import QuantConfig
 
 
+@dataclass(frozen=True)
+class PrebuiltUnits:
+    """Units a reader resolved itself that the checkpoint does not load by default: a GGUF file's MTP layers,
+    whose names, formats and load-time fix-ups are the file's (checkpoint/gguf/model.py).
+    runtime/mtp.attach_mtp_units adds them as they are."""
+    schema: ModelSchema
+    layouts: dict[UnitKey, UnitLayout]
+    formats: dict[str, QuantSpec]
+    tensors: frozenset[str]  # the file's tensors they hold (unused until attached)
+
+
 @dataclass
 class ModelCheckpoint:
     root: Path
@@ -27,6 +38,7 @@ class ModelCheckpoint:
     unused_tensors: list[str] = field(default_factory=list)
     quant: QuantConfig | None = None  # config.json's quantization_config, parsed
     formats: dict[str, QuantSpec] = field(default_factory=dict)  # quantized weight (checkpoint name) -> format
+    mtp: PrebuiltUnits | None = None  # MTP units resolved by the reader (GGUF), else found by attach_mtp_units
 
     def unit_bytes(self, key: UnitKey) -> int:
         return self.layouts[key].nbytes

@@ -159,9 +159,9 @@ class GatedDeltaNet:
         q = q.reshape(length, d.num_k_heads, d.k_head_dim)
         k = k.reshape(length, d.num_k_heads, d.k_head_dim)
         v = v.reshape(length, d.num_v_heads, d.v_head_dim)
-        if d.num_v_heads != d.num_k_heads:
-            q = q.repeat_interleave(d.num_v_heads // d.num_k_heads, dim=1)
-            k = k.repeat_interleave(d.num_v_heads // d.num_k_heads, dim=1)
+        if d.num_v_heads != d.num_k_heads:  # value head i reads key head i // r (grouped) or i % Hk (tiled)
+            r = d.num_v_heads // d.num_k_heads
+            q, k = ((t.repeat(1, r, 1) if d.v_heads_tiled else t.repeat_interleave(r, dim=1)) for t in (q, k))
         q, k, v, beta, g = (t.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
                             for t in (q, k, v, beta, g))
         return l2norm(q), l2norm(k), v, g, beta

@@ -43,6 +43,7 @@ import torch
 
 from ..checkpoint.layout import build_layout
 from ..checkpoint.model import ModelCheckpoint
+from ..checkpoint.opened import PrebuiltUnits
 from ..checkpoint.naming import UnitKey
 from ..errors import CheckpointFormatError
 from .kernels.decode import using
@@ -55,6 +56,8 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     """The checkpoint with its MTP units in schema and layouts when every MTP tensor is present; unchanged when
     the architecture has no MTP layers or none of their tensors is there; CheckpointFormatError naming the
     first missing or misshapen tensor when only some are."""
+    if checkpoint.mtp is not None:  # resolved by the reader (a GGUF file's MTP blocks)
+        return _attach_prebuilt(checkpoint, checkpoint.mtp)
     make = getattr(checkpoint.arch, "mtp_schema", None)
     if make is None:
         return checkpoint
@@ -84,6 +87,15 @@ def attach_mtp_units(checkpoint: ModelCheckpoint) -> ModelCheckpoint:
     layouts = {**checkpoint.layouts, **{k: build_layout(k, specs, tensors) for k, specs in extra.units.items()}}
     unused = sorted(set(checkpoint.unused_tensors) - names)
     return dataclasses.replace(checkpoint, schema=schema, layouts=layouts, unused_tensors=unused)
+
+
+def _attach_prebuilt(checkpoint: ModelCheckpoint, mtp: PrebuiltUnits) -> ModelCheckpoint:
+    if all(k in checkpoint.schema.units for k in mtp.schema.units):
+        return checkpoint
+    schema = dataclasses.replace(checkpoint.schema, units={**checkpoint.schema.units, **mtp.schema.units})
+    return dataclasses.replace(checkpoint, schema=schema, layouts={**checkpoint.layouts, **mtp.layouts},
+                               formats={**checkpoint.formats, **mtp.formats},
+                               unused_tensors=sorted(set(checkpoint.unused_tensors) - mtp.tensors))
 
 
 MTP_OPS = ("mtp_input", "mtp_output", "final_norm", "head_logits")  # what an architecture's ops must provide

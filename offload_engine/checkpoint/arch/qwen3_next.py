@@ -46,6 +46,9 @@ class DeltaNetDims:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # value head i reads key head i // (Hv / Hk) (grouped, the releases' order) or, tiled, i % Hk: the order
+    # llama.cpp's converter gives Qwen3.5's value heads, kept as stored (checkpoint/gguf/hybrid.py)
+    v_heads_tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -74,6 +77,7 @@ class HybridArgs(DecoderArgs):
     layer_types: tuple[str, ...] = ()
     deltanet: DeltaNetDims = DeltaNetDims(1, 1, 1, 1, 1)
     split_projections: bool = False  # Qwen3.5: in_proj_qkv / z / b / a instead of in_proj_qkvz / ba
+    split_qkvz: bool = False  # in_proj_qkv / z with in_proj_ba (Qwen3-Next as llama.cpp's GGUF stores it)
     prefix: str = "model."  # where the language model's tensors live ("model.language_model." in Qwen3.5 releases)
     mtp_layers: int = 0
 
@@ -189,13 +193,15 @@ class HybridNaming(StandardNaming):
         add("input_layernorm.weight", (H,))
         add("post_attention_layernorm.weight", (H,))
         if linear:
-            if a.split_projections:
+            if a.split_projections or a.split_qkvz:
                 add(LIN + "in_proj_qkv.weight", (d.conv_dim, H))
                 add(LIN + "in_proj_z.weight", (d.value_dim, H))
+            else:
+                add(LIN + "in_proj_qkvz.weight", (2 * d.key_dim + 2 * d.value_dim, H))
+            if a.split_projections:
                 add(LIN + "in_proj_b.weight", (d.num_v_heads, H))
                 add(LIN + "in_proj_a.weight", (d.num_v_heads, H))
             else:
-                add(LIN + "in_proj_qkvz.weight", (2 * d.key_dim + 2 * d.value_dim, H))
                 add(LIN + "in_proj_ba.weight", (2 * d.num_v_heads, H))
             add(LIN + "conv1d.weight", (d.conv_dim, 1, d.conv_kernel))
             add(LIN + "dt_bias", (d.num_v_heads,))

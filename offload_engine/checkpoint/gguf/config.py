@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointFormatError, ConfigError, OffloadEngineError
-from . import gpt_oss
+from . import gpt_oss, hybrid
 from .reader import GGUFFile
 
 # general.architecture -> the engine's model_type (llama with experts is Mixtral, as llama.cpp writes it)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
          "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
+ARCHS.update(hybrid.ARCHS)  # qwen3next, qwen35moe (hybrid.py)
 
 
 def model_type(g: GGUFFile) -> str:
@@ -139,6 +140,8 @@ def _build(g: GGUFFile) -> dict[str, Any]:
         cfg.update(_deepseek(m, g, heads))
     elif mt == "gpt_oss":  # sliding layers, expert width, YaRN untruncated: checkpoint/gguf/gpt_oss.py
         cfg.update(gpt_oss.config(g, cfg))
+    elif mt in hybrid.MODEL_TYPES:
+        cfg.update(hybrid.config(g, cfg))
     return cfg
 
 

@@ -7,10 +7,15 @@ unchanged. A routed expert is its byte range inside the fused `ffn_*_exps` tenso
 type (Q4_K, ...), or one whose rows llama.cpp permuted (Llama's q/k for its rope), becomes a weight of format
 `gguf` (checkpoint/formats.QuantSpec: the GGUF type, the rows to unpermute) that runtime/gguf_dequant.py turns
 back into the [out, in] matrix; DeepSeek's kv_b_proj, which llama.cpp splits into k_b and v_b, is a `gguf_kvb`
-weight of those two tensors.
+weight of those two tensors. Where an architecture's files differ further (hybrid.py: Qwen3-Next, Qwen3.5-MoE),
+its ArchHooks (fixups.py) give its names, the args the file's layout implies, the fix-ups of the tensors the
+converter transformed (applied when a unit's tensors are built from its bytes) and its MTP blocks, which
+runtime/mtp.attach_mtp_units adds when they are wanted.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 from ...errors import CheckpointFormatError, ConfigError
@@ -18,12 +23,13 @@ from ..arch import get_naming
 from ..formats import QuantSpec, part_name, primary_name
 from ..hf_config import ModelSpec, parse_config
 from ..index import CheckpointIndex, TensorRecord
-from ..layout import build_layout
+from ..layout import UnitLayout, build_layout
 from ..naming import ModelSchema, TensorSpec, UnitKey
-from ..opened import ModelCheckpoint
+from ..opened import ModelCheckpoint, PrebuiltUnits
 from . import gpt_oss
 from .config import build_config
-from .names import gguf_name
+from .fixups import DEFAULT_HOOKS, ArchHooks, Fixup, with_fixups
+from .hybrid import HOOKS as ARCH_HOOKS  # per-architecture names, args and load-time fix-ups (fixups.py)
 from .reader import GGUFFile, GGUFTensor, read_gguf
 
 PLAIN = ("F32", "F16", "BF16")
@@ -35,8 +41,9 @@ PERMUTED_ARCHS = ("llama", "mixtral")  # convert_hf_to_gguf's LlamaModel permute
 
 
 class _Builder:
-    def __init__(self, g: GGUFFile, spec: ModelSpec):
-        self.g, self.spec = g, spec
+    def __init__(self, g: GGUFFile, spec: ModelSpec, hooks: ArchHooks = DEFAULT_HOOKS):
+        self.g, self.spec, self.hooks = g, spec, hooks
+        self.fixups: dict[str, Fixup] = {}  # schema name -> its load-time fix-up
         self.records: dict[str, TensorRecord] = {}
         self.formats: dict[str, QuantSpec] = {}
         self.used: set[str] = set()
@@ -92,7 +99,7 @@ class _Builder:
         # gpt-oss: renamed tensors and the converter's split experts (checkpoint/gguf/gpt_oss.py)
         if self.spec.model_type == "gpt_oss" and (parts := gpt_oss.component(self, key, local, ts)) is not None:
             return parts
-        mapped = gguf_name(ts.hf_name)
+        mapped = self.hooks.name(ts.hf_name)
         if mapped is None:
             raise CheckpointFormatError(self.g.path, f"no GGUF name for tensor {ts.hf_name} of unit {key}")
         name, expert = mapped
@@ -103,6 +110,8 @@ class _Builder:
     def stored(self, key: UnitKey, local: str, ts: TensorSpec, name: str, expert: int | None) -> dict[str, TensorSpec]:
         """`ts` of unit `key` read from GGUF tensor `name` (expert `expert` of it, if fused)."""
         t = self.tensor(name, key, ts.hf_name)
+        if (fix := self.hooks.fixup(name)) is not None:
+            return self.fixed(key, local, ts, t, fix)
         shape = self.logical(t, expert, ts.shape, key)
         heads = self.permuted_heads(ts.hf_name)
         if t.gtype in PLAIN and not heads:
@@ -115,6 +124,15 @@ class _Builder:
         rec = self.record(ts.hf_name, t, expert, shape)
         self.formats[ts.hf_name] = q
         return {primary_name(local, q): TensorSpec(ts.hf_name, rec.shape, dtype=rec.dtype)}
+
+    def fixed(self, key: UnitKey, local: str, ts: TensorSpec, t: GGUFTensor, fix: Fixup) -> dict[str, TensorSpec]:
+        """A plain tensor the converter transformed: recorded as stored, its fix-up applied when it is loaded."""
+        shape = self.logical(t, None, fix.stored_shape(ts.shape) if fix.stored_shape else ts.shape, key)
+        if t.gtype not in PLAIN:
+            raise ConfigError(f"{t.file}: tensor {t.name} ({fix.what}) is {t.gtype}; supported: {', '.join(PLAIN)}")
+        self.record(ts.hf_name, t, None, shape)
+        self.fixups[ts.hf_name] = fix
+        return {local: TensorSpec(ts.hf_name, shape)}
 
     def permuted_heads(self, hf_name: str) -> int:
         if self.spec.model_type not in PERMUTED_ARCHS:
@@ -152,14 +170,33 @@ def open_gguf_model(path: str | os.PathLike) -> ModelCheckpoint:
     config = build_config(g)
     spec = parse_config(config, g.path)
     naming = get_naming(spec.model_type, g.path)
-    args = naming.args(spec)
-    b = _Builder(g, spec)
+    hooks = ARCH_HOOKS.get(naming.name, DEFAULT_HOOKS)
+    args = hooks.args(naming.args(spec), g)
+    b = _Builder(g, spec, hooks)
+    schema, layouts = _resolve(b, naming.schema(args, fused_experts=False))
+    index = CheckpointIndex(g.path, config, g.shards, b.records)
+    unused = sorted(set(g.tensors) - b.used)
+    return ModelCheckpoint(g.path, index, spec, naming, args, schema, layouts, False, unused, None, b.formats,
+                           _mtp_units(g, spec, naming, args, hooks))
+
+
+def _resolve(b: _Builder, wanted: ModelSchema) -> tuple[ModelSchema, dict[UnitKey, UnitLayout]]:
+    """The schema's units as the file holds them, and their layouts (with the fix-ups of their tensors)."""
     schema = ModelSchema()
-    for key, specs in naming.schema(args, fused_experts=False).units.items():
+    for key, specs in wanted.units.items():
         for local, ts in specs.items():
             for part, part_spec in b.component(key, local, ts).items():
                 schema.add(key, part, part_spec)
-    layouts = {key: build_layout(key, specs, b.records) for key, specs in schema.units.items()}
-    index = CheckpointIndex(g.path, config, g.shards, b.records)
-    unused = sorted(set(g.tensors) - b.used)
-    return ModelCheckpoint(g.path, index, spec, naming, args, schema, layouts, False, unused, None, b.formats)
+    return schema, {key: with_fixups(build_layout(key, specs, b.records), b.fixups)
+                    for key, specs in schema.units.items()}
+
+
+def _mtp_units(g: GGUFFile, spec: ModelSpec, naming, args, hooks: ArchHooks) -> PrebuiltUnits | None:
+    """The MTP layers llama.cpp keeps as blocks N.. (N trunk layers), for runtime/mtp.attach_mtp_units."""
+    make = getattr(naming, "mtp_schema", None)
+    wanted = make(args) if make is not None and hooks.mtp_name is not None else None
+    if wanted is None or not wanted.units:
+        return None
+    b = _Builder(g, spec, dataclasses.replace(hooks, name=functools.partial(hooks.mtp_name, layers=spec.num_layers)))
+    schema, layouts = _resolve(b, wanted)
+    return PrebuiltUnits(schema, layouts, b.formats, frozenset(b.used))

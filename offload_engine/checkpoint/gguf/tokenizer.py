@@ -20,6 +20,8 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
           r"|\s+(?!\S)|\s+",)
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
          r"|\s+(?!\S)|\s+",)
+QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+",)  # Qwen3.5/3.6: QWEN2 with combining marks (\p{M}) kept in words
 DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -29,7 +31,8 @@ GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}
 # tokenizer.ggml.pre -> (regexes applied in turn, ignore_merges: whole-word vocab hits skip the merges)
 PRE = {"default": (GPT2, False), "gpt-2": (GPT2, False), "gpt2": (GPT2, False), "llama-bpe": (LLAMA3, True), "llama3": (LLAMA3, True),
        "smaug-bpe": (LLAMA3, True), "qwen2": (QWEN2, False), "deepseek-r1-qwen": (QWEN2, False),
-       "deepseek-v3": (DEEPSEEK3, False), "gpt-4o": (GPT4O, False)}
+       "deepseek-v3": (DEEPSEEK3, False), "gpt-4o": (GPT4O, False),
+       "qwen35": (QWEN35, False)}
 
 
 def _pre_tokenizer(pre: str, path) -> tuple[Any, bool]:

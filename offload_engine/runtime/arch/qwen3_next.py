@@ -107,10 +107,13 @@ class HybridOps(StandardOps):
                     linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim),
                     linear(x, w, LIN + "in_proj_b.weight"), linear(x, w, LIN + "in_proj_a.weight"))
         r = d.num_v_heads // d.num_k_heads
+        b, a = linear(x, w, LIN + "in_proj_ba.weight").view(T, d.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = b.reshape(T, d.num_v_heads), a.reshape(T, d.num_v_heads)
+        if self.a.split_qkvz:  # Qwen3-Next's GGUF: q|k|v and z already split as Qwen3.5 has them
+            return (linear(x, w, LIN + "in_proj_qkv.weight"),
+                    linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim), b, a)
         qkvz = linear(x, w, LIN + "in_proj_qkvz.weight").view(T, d.num_k_heads, -1)
         q, k, v, z = qkvz.split([d.k_head_dim, d.k_head_dim, r * d.v_head_dim, r * d.v_head_dim], dim=-1)
-        b, a = linear(x, w, LIN + "in_proj_ba.weight").view(T, d.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return (mixed, z.reshape(T, d.num_v_heads, d.v_head_dim), b.reshape(T, d.num_v_heads),
-                a.reshape(T, d.num_v_heads))
+        return mixed, z.reshape(T, d.num_v_heads, d.v_head_dim), b, a
 
