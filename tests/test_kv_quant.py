@@ -248,13 +248,16 @@ def test_quantized_positions_cost_about_half_of_bf16(model):
 
 def test_the_plan_charges_the_dequantized_copy_and_its_traffic():
     """Attention reads a compute-dtype copy of a quantized cache: the plan counts it in the activations (one layer
-    at a time) and in the bytes a step moves, so it never predicts int8 decoding faster than bf16's."""
+    at a time) and in the bytes a step moves, so int8's attention never looks cheaper than bf16's. The step as a
+    whole may be faster: the smaller cache leaves VRAM to cache experts in, and fewer cross PCIe."""
     shape, context = model_shape(load_model_spec("Qwen3-30B-A3B")), 32768
     auto, int8 = (plan(shape, GPU, PlanOptions(context=context, kv_dtype=k)) for k in ("auto", "int8"))
     assert int8.kv_bytes == kv.kv_bytes(shape.spec, context, 2, kv_dtype="int8") < 0.52 * auto.kv_bytes
     copy = kv.kv_copy_bytes(shape.spec, context, 2, "int8")
     assert sum(int8.activations.values()) - sum(auto.activations.values()) == copy > 0
-    assert int8.steps["expected"].seconds >= auto.steps["expected"].seconds
+    quantized, plain = int8.steps["expected"], auto.steps["expected"]
+    assert quantized.compute_s > plain.compute_s  # the same weights, and the cache read twice over
+    assert quantized.bytes_h2d < plain.bytes_h2d  # the VRAM the cache gave back holds experts
     assert kv.kv_copy_bytes(shape.spec, context, 2, "auto") == kv.kv_copy_bytes(shape.spec, context, 2, "bf16") == 0
     cache = KVCache(1, 64, kv_dtype="int8")  # the copy as the cache makes it: K and V in the compute dtype
     k_all, v_all = cache.append(0, torch.randn(64, 4, 128), torch.randn(64, 4, 128))
