@@ -295,7 +295,8 @@ def test_bad_flags_with_calibrate_name_the_flag(flags, flag, text, checkpoint_fa
 
 
 def test_sigint_at_random_points_leaves_nothing_when_calibrated(text, checkpoint_factory, tmp_path):
-    """test_quantize's harness, the run calibrated (--ram 256MiB: the calibration state fits)."""
+    """test_quantize's harness, the run calibrated (--ram 256MiB: the calibration state fits); 24 trials, as a
+    calibrated run's length varies more with the load (the calibration forward): at least 8 must be cut short."""
     src = checkpoint_factory("deepseek_v3")
     flags = '"--weights", "int4", "--ram", "64KiB", "--quiet"'
     assert flags in HARNESS
@@ -308,7 +309,7 @@ def test_sigint_at_random_points_leaves_nothing_when_calibrated(text, checkpoint
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent, errors = tmp_path / "out", tmp_path / "errors.txt"
     parent.mkdir()
-    proc = subprocess.run([sys.executable, "-c", harness, str(src), str(parent), str(errors), "16", "31"], env=env,
+    proc = subprocess.run([sys.executable, "-c", harness, str(src), str(parent), str(errors), "24", "31"], env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not errors.exists(), errors.read_text()[-3000:]
