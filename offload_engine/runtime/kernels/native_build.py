@@ -1,6 +1,6 @@
-"""The engine's own CPU kernels (native/bf16_cpu.cpp): built once per machine with torch's C++ extension builder,
-cached, loaded on first use; absent where they cannot be (no AVX512-BF16, no C++ compiler), and then the runtime
-keeps torch's kernels.
+"""The engine's own CPU kernels (native/bf16_cpu.cpp: bfloat16 weights; native/int_cpu.cpp: int8 / int4 kernel
+forms; one extension): built once per machine with torch's C++ extension builder, cached, loaded on first use;
+absent where they cannot be (no AVX512-BF16, no C++ compiler), and then the runtime keeps torch's kernels.
 
 The build lands in $OFFLOAD_ENGINE_CACHE (default ~/.cache/offload-engine)/kernels/<torch>-<source hash>/, so a
 new torch or a changed source rebuilds and concurrent processes share one build (torch's builder locks the
@@ -21,8 +21,11 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("native") / "bf16_cpu.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+NATIVE = Path(__file__).with_name("native")
+SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "bindings.cpp"))
+HEADERS = (NATIVE / "bf16_util.h",)
+# no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 _why_not: list[str] = []
@@ -53,7 +56,8 @@ def supported() -> str | None:
 
 def build_dir() -> Path:
     base = Path(os.environ.get("OFFLOAD_ENGINE_CACHE", Path.home() / ".cache" / "offload-engine"))
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode())
+    digest = digest.hexdigest()[:12]
     return base / "kernels" / f"torch-{torch.__version__.split('+')[0]}-{digest}"
 
 
@@ -95,5 +99,5 @@ def _build() -> ModuleType:
     fresh = not any(where.glob("*.so"))
     if fresh:
         print(f"offload-engine: building its CPU kernels once into {where} (~30 s)", file=sys.stderr)
-    return cpp_extension.load(name="offload_engine_bf16_cpu", sources=[str(SOURCE)], build_directory=str(where),
-                              extra_cflags=list(FLAGS), verbose=False)
+    return cpp_extension.load(name="offload_engine_cpu", sources=[str(p) for p in SOURCES],
+                              build_directory=str(where), extra_cflags=list(FLAGS), verbose=False)
