@@ -43,6 +43,8 @@ struct Form {  // one projection's weight in its kernel form
 struct Act {  // a projection's input: x in fp32 [M, K] and its sums per group [M, G]
   std::vector<float> x, sums;
   int64_t M = 0, K = 0, G = 1;
+  const void* source = nullptr;  // the bf16 rows it was made from (experts routed the same x share it)
+  int64_t ldx = 0;
 };
 
 struct Proj {
@@ -91,7 +93,7 @@ Form form_of(const std::vector<torch::Tensor>& parts, const char* what, int64_t 
 
 // x (bf16 rows, ldx apart) in fp32, and its sums over each of G equal groups of k (ascending k)
 void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
-  a.M = M, a.K = K, a.G = G;
+  a.M = M, a.K = K, a.G = G, a.source = x, a.ldx = ldx;
   a.x.resize(M * K);
   a.sums.assign(M * G, 0.0f);
   const int64_t g = K / G;
@@ -241,7 +243,10 @@ Tile tile_at(const Form& f, int64_t r0) {
     t.ld = (f.N - full) / 2;
     t.nbytes = static_cast<int>(t.ld);
     t.contiguous = false;
-    for (int j = 0; j < 32; ++j) t.lo[j] = j < t.nbytes ? full + 2 * j : 0, t.hi[j] = j < t.nbytes ? full + 2 * j + 1 : 0;
+    for (int j = 0; j < 32; ++j) {
+      t.lo[j] = j < t.nbytes ? full + 2 * j : 0;
+      t.hi[j] = j < t.nbytes ? full + 2 * j + 1 : 0;
+    }
   }
   return t;
 }
@@ -323,6 +328,15 @@ std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
   std::vector<Form> down(E);
   std::vector<int64_t> inter(E);
   std::vector<Act> xin(E * 2), hin(E);  // x for each expert's gate and up forms (their groups may differ)
+  // the same x (decode: every expert's) converted once per group size: the values are the same either way
+  auto input = [&](int64_t slot, const torch::Tensor& x, int64_t K, int64_t G) -> const Act* {
+    for (int64_t i = 0; i < slot; ++i)
+      if (xin[i].source == x.data_ptr() && xin[i].ldx == x.stride(0) && xin[i].M == x.size(0) && xin[i].K == K &&
+          xin[i].G == G)
+        return &xin[i];
+    prepare(xin[slot], data<bf16>(x), x.stride(0), x.size(0), K, G);
+    return &xin[slot];
+  };
   std::vector<torch::Tensor> gu(E), out(E);
   std::vector<Proj> projs;
   for (int64_t e = 0; e < E; ++e) {
@@ -340,11 +354,9 @@ std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
     gu[e] = torch::empty({M, 2 * inter[e]}, xs[e].options());
     out[e] = torch::empty({M, down[e].N}, xs[e].options());
     bf16* o = reinterpret_cast<bf16*>(gu[e].data_ptr());
-    prepare(xin[2 * e], data<bf16>(xs[e]), xs[e].stride(0), M, g.K, g.G);
-    projs.push_back({g, &xin[2 * e], o, 2 * inter[e]});
+    projs.push_back({g, input(2 * e, xs[e], g.K, g.G), o, 2 * inter[e]});
     if (!fused) {
-      prepare(xin[2 * e + 1], data<bf16>(xs[e]), xs[e].stride(0), M, u.K, u.G);
-      projs.push_back({u, &xin[2 * e + 1], o + inter[e], 2 * inter[e]});
+      projs.push_back({u, input(2 * e + 1, xs[e], u.K, u.G), o + inter[e], 2 * inter[e]});
     }
   }
   run_all(projs);
