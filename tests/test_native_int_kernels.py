@@ -128,13 +128,15 @@ def test_int_choice_is_measured_then_recalled(tmp_path, monkeypatch) -> None:
     assert again.native_int == first.native_int
 
 
-@pytest.mark.parametrize("quant", ["ct-int8", "ct-int4"])
-def test_int_engine_on_native_kernels_is_budget_invariant(quant: str, checkpoint_factory, monkeypatch) -> None:
+@pytest.mark.parametrize("arch,quant,extra", [("qwen3_moe", "ct-int8", {}), ("qwen3_moe", "ct-int4", {}),
+                                              ("qwen3_5_moe_text", "ct-int4", {"fused_experts": True})], ids=str)
+def test_int_engine_on_native_kernels_is_budget_invariant(arch: str, quant: str, extra: dict, checkpoint_factory,
+                                                          monkeypatch) -> None:
     """Decode takes the native int kernels; the resident experts of a layer go in one call and the rest one by
     one as they land, so a 25% budget groups them differently from 100%: the bits must not move. Against torch's
     kernels (OFFLOAD_ENGINE_NATIVE=0): the same model to bf16 rounding, no further from the float32 logits."""
     monkeypatch.setenv("OFFLOAD_ENGINE_NATIVE", "all")
-    path = checkpoint_factory("qwen3_moe", "offload", dtype="bfloat16", quant=quant)
+    path = checkpoint_factory(arch, "offload", dtype="bfloat16", quant=quant, **extra)
     ids = list(range(3, 15))
     runs = {}
     for ram in (None, "25%"):
