@@ -38,6 +38,7 @@ from .runtime.arch import build_ops
 from .runtime.host_compute import HostCompute, measure_machine
 from .runtime.kernels.decode import DecodeKernels, expert_shape, plain_float_shapes
 from .runtime.kernels.decode import choose as choose_decode_kernels
+from .runtime.kernels.int_experts import int_expert_shape, int_linear_shapes
 from .runtime.kernels.select import Kernels, slot_room
 from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
@@ -195,7 +196,9 @@ def _decode_kernels(checkpoint: ModelCheckpoint, device: torch.device, dtype: to
     layouts = checkpoint.layouts.values()
     spec = checkpoint.spec
     return choose_decode_kernels(plain_float_shapes(layouts),
-                                 expert_shape(layouts, spec.num_experts_per_tok, spec.hidden_act))
+                                 expert_shape(layouts, spec.num_experts_per_tok, spec.hidden_act),
+                                 int_expert_shape(layouts, spec.num_experts_per_tok, spec.hidden_act),
+                                 int_linear_shapes(layouts))
 
 
 def make_host_compute(mode: str, rates: Machine | None, store: TieredStore) -> HostCompute | None:

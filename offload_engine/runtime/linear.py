@@ -89,13 +89,16 @@ def embedding(w: Weights, name: str, tokens: torch.Tensor, dtype: torch.dtype) -
 
 def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
     """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in; a
-    plain weight takes the native decode kernel where it was chosen for its shape (kernels/decode.py)."""
+    plain or int8 / int4 weight takes the native decode kernel where it was chosen for its shape
+    (kernels/decode.py)."""
     plain = w.get(name)
+    kernels = decode_kernels.active.get()
     if plain is not None:
-        kernels = decode_kernels.active.get()
         y = kernels.linear(x, plain) if kernels is not None else None
     else:
-        y = fast_linear(x, w, name)
+        y = kernels.int_linear(x, w, name) if kernels is not None else None
+        if y is None:
+            y = fast_linear(x, w, name)
     if y is None:
         return F.linear(x, dense(w, name, x.dtype) if plain is None else plain, None if bias is None else w.get(bias))
     b = None if bias is None else w.get(bias)

@@ -10,6 +10,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from .kernels.int_experts import IntExpert
+
 ExpertFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
@@ -53,8 +55,9 @@ def expert_part(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, e
 def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                  experts: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """expert_part for several experts in one native call (kernels: a kernels.decode.DecodeKernels): experts lists
-    (expert, its plain (gate, up, down)). Each expert's part is the same bits computed alone or with others."""
+    """expert_part for several experts in one native call per kind (kernels: a kernels.decode.DecodeKernels):
+    experts lists (expert, its plain (gate, up, down) or its int kernel forms: kernels.int_experts.IntExpert). Each
+    expert's part is the same bits computed alone or with others."""
     xs, ws, rows = [], [], []
     if x.shape[0] == 1:
         routed = indices[0].tolist()
@@ -69,9 +72,17 @@ def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch
             xs.append(x[tok])
             ws.append(weights[tok, slot].to(x.dtype))
             rows.append(tok)
-    ys = kernels.module.experts(xs, [m[0] for _, m in experts], [m[1] for _, m in experts],
-                                [m[2] for _, m in experts], ws)
-    return {e: (tok, y) for (e, _), tok, y in zip(experts, rows, ys)}
+    out = {}
+    for quantized in (False, True):
+        chosen = [i for i, (_, m) in enumerate(experts) if isinstance(m, IntExpert) == quantized]
+        if not chosen:
+            continue
+        mats = [m.forms() if quantized else m for m in (experts[i][1] for i in chosen)]
+        run = kernels.module.experts_int if quantized else kernels.module.experts
+        ys = run([xs[i] for i in chosen], [m[0] for m in mats], [m[1] for m in mats], [m[2] for m in mats],
+                 [ws[i] for i in chosen])
+        out.update({experts[i][0]: (rows[i], y) for i, y in zip(chosen, ys)})
+    return out
 
 
 def combine(x: torch.Tensor, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
+from ..kernels.int_experts import IntExpert, int_expert
 from ..kernels.select import fast_linear
 from ..linear import dense, embedding, is_quantized, linear
 from ..moe import softmax_topk
@@ -164,12 +165,14 @@ class StandardOps:
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return expert_forward(w, x, self.act)
 
-    def gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A routed expert's plain (gate, up, down) where `expert` computes it as down(silu(gate x) * up x): what
-        the native grouped kernel takes (runtime/kernels/decode.py); None for quantized units or another
-        activation."""
-        if self.s.hidden_act not in ("silu", "swish") or "down" not in w:
+    def gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | IntExpert | None:
+        """A routed expert's plain (gate, up, down), or its int8 / int4 kernel forms (IntExpert), where `expert`
+        computes it as down(silu(gate x) * up x): what the native grouped kernels take (runtime/kernels/decode.py);
+        None for other quantized units or another activation."""
+        if self.s.hidden_act not in ("silu", "swish"):
             return None
+        if "down" not in w:
+            return int_expert(w)
         if "gate_up" in w:
             gate, up = w["gate_up"].chunk(2, dim=0)
             return gate, up, w["down"]

@@ -2,9 +2,11 @@
 
 Decode multiplies a few rows (one token, or the k of a speculative verification) by each weight: torch's bf16
 matmul (oneDNN) or the engine's own kernels (native/bf16_cpu.cpp: one pass over a weight row for all rows of x,
-and one call for all of a layer's routed experts). Which is faster depends on the shape and the machine, so at
-open each distinct shape of the model's plain bf16 weights is timed both ways on scratch tensors of that shape
-(several copies, so that they come from memory as the weights will), interleaved, best of several rounds.
+and one call for all of a layer's routed experts; native/int_cpu.cpp: the same for routed experts stored int8 /
+int4, against torch's weight-only kernels: int_experts.py). Which is faster depends on the shape and the machine,
+so at open each distinct shape of the model's plain bf16 weights, and its experts' shape and form, is timed both
+ways on scratch tensors of that shape (several copies, so that they come from memory as the weights will),
+interleaved, best of several rounds.
 
 The choices are stored per machine (CPU model, thread count, torch, kernel build) in
 $OFFLOAD_ENGINE_CACHE/kernels/choices.json and reused: a run takes the same kernel as the last one for the same
@@ -31,7 +33,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import native_build
+from . import int_experts, native_build
 
 MAX_ROWS = 16  # rows of x the native kernels take (more: torch's matmul, which blocks for them)
 ROUNDS, REPEATS, COPIES_BYTES = 5, 4, 32 << 20  # per shape: ~1-3 ms of timing each way
@@ -41,8 +43,9 @@ ROUNDS, REPEATS, COPIES_BYTES = 5, 4, 32 << 20  # per shape: ~1-3 ms of timing e
 class DecodeKernels:
     module: ModuleType = field(repr=False)
     native: frozenset[tuple[int, int]]  # (out, in) weight shapes the native linear is chosen for
-    experts: bool  # routed experts through native `experts` (chosen against torch's per-expert path)
+    experts: bool  # routed experts through native `experts` / `experts_int` (chosen against torch's per-expert path)
     timings: dict[str, dict[str, float]]  # shape -> {"torch_us": .., "native_us": ..}
+    native_int: frozenset[tuple[str, int, int]] = frozenset()  # (form, out, in) of int weights native_int takes
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """x @ weight.T by the native kernel where it was chosen for this shape, else None."""
@@ -51,9 +54,20 @@ class DecodeKernels:
             return None
         return self.module.linear(x.contiguous(), weight)
 
+    def int_linear(self, x: torch.Tensor, w, name: str) -> torch.Tensor | None:
+        """x @ W.T for weight `name` of unit `w` by the native int kernel where its form and shape chose it (its
+        CPU int8 / int4 kernel form: int_experts.int_form), else None."""
+        if not self.native_int or x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+            return None
+        form = int_experts.int_form(w, name)
+        if form is None or int_experts.form_key(form) not in self.native_int:
+            return None
+        return self.module.int_linear(x.contiguous(), [t for t in form if t is not None])
+
     def describe(self) -> dict:
-        return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native), "native_experts": self.experts,
-                "timings_us": self.timings}
+        return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native),
+                "native_int_linear": sorted("%s:%dx%d" % key for key in self.native_int),
+                "native_experts": self.experts, "timings_us": self.timings}
 
 
 active: contextvars.ContextVar[DecodeKernels | None] = contextvars.ContextVar("decode_kernels", default=None)
@@ -116,6 +130,21 @@ def _experts_race(module: ModuleType, hidden: int, inter: int, top_k: int) -> tu
     return _race(torch_experts, module.experts, make)
 
 
+def _int_linear_race(module: ModuleType, form: str, n: int, k: int) -> tuple[float, float]:
+    n = max(64, min(n, COPIES_BYTES // k) // 64 * 64)  # an output head's rows timed in part: the cost is per row
+
+    def make():
+        x = torch.randn(1, k).bfloat16()
+        return [(x, int_experts.random_form(form, n, k)) for _ in range(_copies(n * k))]
+    return _race(int_experts.torch_mm, module.int_linear, make)
+
+
+def _int_experts_race(module: ModuleType, form: str, hidden: int, inter: int, top_k: int) -> tuple[float, float]:
+    per = 3 * hidden * inter * top_k * (1 if form == "int8" else 0.5)
+    torch_fn, native_fn, make = int_experts.race_args(module, form, hidden, inter, top_k, _copies(int(per)))
+    return _race(torch_fn, native_fn, make)
+
+
 def _cache_file() -> Path:
     return native_build.build_dir().parent / "choices.json"
 
@@ -130,14 +159,19 @@ def _machine_key(module_path: str) -> str:
     return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|{Path(module_path).parent.name}"
 
 
-def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, int] | None) -> DecodeKernels | None:
-    """Measure (or recall) torch against the native kernels for each (out, in) weight shape and for the routed
-    experts (hidden, moe_intermediate, top_k); None where the native kernels are unavailable."""
+def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, int] | None,
+           int_shape: tuple[str, int, int, int] | None = None,
+           int_linears: Iterable[tuple[str, int, int]] = ()) -> DecodeKernels | None:
+    """Measure (or recall) torch against the native kernels for each (out, in) weight shape, each (form, out, in)
+    of the int8 / int4 weights outside the experts (int_experts.int_linear_shapes), and the routed experts:
+    plain (hidden, moe_intermediate, top_k), or int8 / int4 (form, hidden, moe_intermediate, top_k:
+    int_experts.int_expert_shape); None where the native kernels are unavailable."""
     module = native_build.load() if native_build.supported() is None else None
     if module is None:
         return None
     if os.environ.get("OFFLOAD_ENGINE_NATIVE") == "all":  # every shape native, nothing measured (tests, A/B runs)
-        return DecodeKernels(module, frozenset(linear_shapes), experts is not None, {})
+        return DecodeKernels(module, frozenset(linear_shapes), experts is not None or int_shape is not None, {},
+                             frozenset(int_linears))
     path = _cache_file()
     try:
         stored = json.loads(path.read_text())
@@ -148,6 +182,10 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
     wanted = {f"{n}x{k}": (lambda n=n, k=k: _linear_race(module, n, k)) for n, k in set(linear_shapes)}
     if experts is not None:
         wanted["experts:%dx%dx%d" % experts] = lambda: _experts_race(module, *experts)
+    for form, n, k in set(int_linears):
+        wanted["%s:%dx%d" % (form, n, k)] = lambda form=form, n=n, k=k: _int_linear_race(module, form, n, k)
+    if int_shape is not None:
+        wanted["experts-%s:%dx%dx%d" % int_shape] = lambda: _int_experts_race(module, *int_shape)
     for key, race in wanted.items():
         if key not in machine:
             t, n = race()
@@ -164,7 +202,8 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
     timings = {key: machine[key] for key in wanted}
     faster = {key for key, t in timings.items() if t["native_us"] < t["torch_us"]}
     native = frozenset((int(a), int(b)) for a, b in (key.split("x") for key in faster if ":" not in key))
-    return DecodeKernels(module, native, any(key.startswith("experts:") for key in faster), timings)
+    native_int = frozenset(key for key in set(int_linears) if "%s:%dx%d" % key in faster)
+    return DecodeKernels(module, native, any(key.startswith("experts") for key in faster), timings, native_int)
 
 
 def plain_float_shapes(layouts: Iterable) -> set[tuple[int, int]]:

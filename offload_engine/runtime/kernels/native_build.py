@@ -1,10 +1,10 @@
-"""The engine's own CPU kernels (native/bf16_cpu.cpp): built once per machine with torch's C++ extension builder,
-cached, loaded on first use; absent where they cannot be (no AVX512-BF16, no C++ compiler), and then the runtime
-keeps torch's kernels.
+"""The engine's own CPU kernels (native/bf16_cpu.cpp: bfloat16 weights; native/int_cpu.cpp: int8 / int4 kernel
+forms; one extension): built once per machine with torch's C++ extension builder, cached, loaded on first use;
+absent where they cannot be (no AVX512-BF16, no C++ compiler), and then the runtime keeps torch's kernels.
 
 The build lands in $OFFLOAD_ENGINE_CACHE (default ~/.cache/offload-engine)/kernels/<torch>-<source hash>/, so a
 new torch or a changed source rebuilds and concurrent processes share one build (torch's builder locks the
-folder). The first build takes ~20-40 s on 2 cores and is announced on stderr. OFFLOAD_ENGINE_NATIVE=0 turns the
+folder). The first build takes ~1-2 min on 2 cores and is announced on stderr. OFFLOAD_ENGINE_NATIVE=0 turns the
 kernels off, =all takes them for every shape unmeasured (kernels/decode.py); the torch paths are always kept:
 prefill and the parity tests' float32 never use these.
 """
@@ -15,16 +15,21 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("native") / "bf16_cpu.cpp"
+NATIVE = Path(__file__).with_name("native")
+SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "bindings.cpp"))
+HEADERS = (NATIVE / "bf16_util.h",)
+# no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+STALE_LOCK_S = 900  # a build takes 1-2 min on 2 cores
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 _why_not: list[str] = []
@@ -55,7 +60,8 @@ def supported() -> str | None:
 
 def build_dir() -> Path:
     base = Path(os.environ.get("OFFLOAD_ENGINE_CACHE", Path.home() / ".cache" / "offload-engine"))
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode())
+    digest = digest.hexdigest()[:12]
     return base / "kernels" / f"torch-{torch.__version__.split('+')[0]}-{digest}"
 
 
@@ -94,8 +100,22 @@ def _build() -> ModuleType:
         pass
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(where / "lock")
     fresh = not any(where.glob("*.so"))
     if fresh:
-        print(f"offload-engine: building its CPU kernels once into {where} (~30 s)", file=sys.stderr)
-    return cpp_extension.load(name="offload_engine_bf16_cpu", sources=[str(SOURCE)], build_directory=str(where),
-                              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+        print(f"offload-engine: building its CPU kernels once into {where} (~1-2 min)", file=sys.stderr)
+    return cpp_extension.load(name="offload_engine_cpu", sources=[str(p) for p in SOURCES],
+                              build_directory=str(where), extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                              verbose=False)
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's builder makes other processes wait, without end, while its lock file exists; a build killed
+    outright (SIGKILL, power) leaves it behind. A lock older than any build takes is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)

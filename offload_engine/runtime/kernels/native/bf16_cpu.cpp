@@ -12,16 +12,19 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
-#include <cstring>
 #include <cstdint>
 #include <vector>
 
+#include "bf16_util.h"
+
 namespace {
 
-using bf16 = uint16_t;
+using offload_native::bf16;
+using offload_native::to_bf16;
+using offload_native::to_float;
 constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
 
+<<<<<<< HEAD
 inline float to_float(bf16 v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -45,6 +48,12 @@ inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+=======
+// y[m] = sum_k w[k] * x[m][k] for m < rows, fp32 accumulation in ascending k (32 at a time, masked tail)
+inline void dot_rows(const bf16* w, const bf16* x, int64_t ldx, int64_t rows, int64_t K, float* y) {
+  __m512 acc[kMaxRows];
+  for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
+>>>>>>> native-int
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh xv[MR];
@@ -171,11 +180,7 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
     const bf16* gp = ptr(g[e]);
     const bf16* up = ptr(u[e]);
     bf16* hp = reinterpret_cast<bf16*>(h[e].data_ptr());
-    for (int64_t i = 0, n = g[e].numel(); i < n; ++i) {
-      float gv = to_float(gp[i]);
-      float act = to_float(to_bf16(gv / (1.0f + std::exp(-gv))));
-      hp[i] = to_bf16(act * to_float(up[i]));
-    }
+    for (int64_t i = 0, n = g[e].numel(); i < n; ++i) hp[i] = offload_native::silu_times(gp[i], up[i]);
   }
   at::parallel_for(0, first_down[E], kGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t e = 0; e < E && r0 < r1; ++e) {
@@ -197,9 +202,4 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
       for (int64_t j = 0; j < H; ++j) op[m * H + j] = to_bf16(to_float(op[m * H + j]) * to_float(wp[m]));
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [M, K] @ W[N, K]^T in bfloat16 with fp32 accumulation");
-  m.def("experts", &experts, "routed experts' gated SiLU MLPs, one call per layer");
 }

@@ -1,0 +1,34 @@
+// bfloat16 <-> float conversions shared by the native CPU kernels (bf16_cpu.cpp, int_cpu.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace offload_native {
+
+using bf16 = uint16_t;
+
+inline float to_float(bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline bf16 to_bf16(float f) {  // round to nearest even, NaN kept quiet: what torch's float -> bfloat16 does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return static_cast<bf16>((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<bf16>(bits >> 16);
+}
+
+// silu rounded as torch's bfloat16 F.silu rounds it, then times u rounded as its bfloat16 multiply does
+inline bf16 silu_times(bf16 g, bf16 u) {
+  float gv = to_float(g);
+  float act = to_float(to_bf16(gv / (1.0f + std::exp(-gv))));
+  return to_bf16(act * to_float(u));
+}
+
+}  // namespace offload_native

@@ -1,0 +1,22 @@
+// The Python module of the native CPU kernels (bf16_cpu.cpp, int_cpu.cpp): one extension, one build per machine.
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W);
+std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
+                                   const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
+                                   const std::vector<torch::Tensor>& weights);
+torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts);
+std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
+                                       const std::vector<std::vector<torch::Tensor>>& gates,
+                                       const std::vector<std::vector<torch::Tensor>>& ups,
+                                       const std::vector<std::vector<torch::Tensor>>& downs,
+                                       const std::vector<torch::Tensor>& weights);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x [M, K] @ W[N, K]^T in bfloat16 with fp32 accumulation");
+  m.def("experts", &experts, "routed experts' gated SiLU MLPs, one call per layer");
+  m.def("int_linear", &int_linear, "x [M, K] @ W^T for an int8 / int4 kernel form, bfloat16 out");
+  m.def("experts_int", &experts_int, "routed experts' gated SiLU MLPs over int8 / int4 kernel forms, one call");
+}
