@@ -24,22 +24,6 @@ using offload_native::to_bf16;
 using offload_native::to_float;
 constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
 
-<<<<<<< HEAD
-inline float to_float(bf16 v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline bf16 to_bf16(float f) {  // round to nearest even, NaN kept quiet: what torch's float -> bfloat16 does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return static_cast<bf16>((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<bf16>(bits >> 16);
-}
-
 // y[r][m] = sum_k W[r][k] x[m][k] for R <= 4 weight rows and MR <= 4 rows of x: R x MR independent fp32
 // accumulators in registers (a single chain per row would wait on VDPBF16PS's latency), each summed over k in
 // ascending order, 32 at a time, the tail masked
@@ -48,12 +32,6 @@ inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-=======
-// y[m] = sum_k w[k] * x[m][k] for m < rows, fp32 accumulation in ascending k (32 at a time, masked tail)
-inline void dot_rows(const bf16* w, const bf16* x, int64_t ldx, int64_t rows, int64_t K, float* y) {
-  __m512 acc[kMaxRows];
-  for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
->>>>>>> native-int
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh xv[MR];
