@@ -174,8 +174,10 @@ class StandardOps:
         if "down" not in w:
             return int_expert(w)
         if "gate_up" in w:
-            gate, up = w["gate_up"].chunk(2, dim=0)
-            return gate, up, w["down"]
-        if "gate" in w and "up" in w:
-            return w["gate"], w["up"], w["down"]
-        return None
+            mats = (*w["gate_up"].chunk(2, dim=0), w["down"])
+        elif "gate" in w and "up" in w:
+            mats = (w["gate"], w["up"], w["down"])
+        else:
+            return None
+        # the kernel takes bf16 rows laid out contiguously; anything else (another dtype) stays on torch's path
+        return mats if all(m.dtype == torch.bfloat16 and m.dim() == 2 and m.stride(1) == 1 for m in mats) else None
