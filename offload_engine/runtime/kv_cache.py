@@ -23,7 +23,7 @@ import torch
 
 from ..errors import BudgetError
 from ..planner.kv import check_kv_dtype
-from .kv_storage import KVStorage, new_storage
+from .kv_storage import KVStorage, PlainStorage, new_storage
 
 RecurrentState = tuple[torch.Tensor, ...]
 StepLog = tuple[torch.Tensor, ...]  # [positions, ...] each
@@ -129,6 +129,17 @@ class KVCache:
         for part, e in zip(store, entries):
             part.write(self.length, e)
         return tuple(part.read(end) for part in store)
+
+    def plain_buffers(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+        """The layer's entry buffers ([capacity, ...] each) where they hold `dtype` values as given (`auto`) and
+        one more position fits: a native kernel then writes position `length` itself (kernels/decode.py's
+        attention step) instead of calling `append`; None otherwise (not allocated yet, quantized, full)."""
+        store = self._store[layer]
+        if store is None or self.length >= self.capacity:
+            return None
+        if not all(isinstance(part, PlainStorage) and part.buf.dtype == dtype == part.compute for part in store):
+            return None
+        return tuple(part.buf for part in store)
 
     def advance(self, n: int) -> None:
         """Commit n positions written by the last forward (called once per forward, after every layer)."""

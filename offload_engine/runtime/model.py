@@ -160,7 +160,7 @@ class CausalLM:
                     prefetcher.after_attention(layer, x)
                 h = ops.post_norm(layer, w, x)
                 if ops.is_moe(layer):
-                    x = x + self.moe(layer, w, h, self._route_ahead(layer, x))
+                    x = self.moe(layer, w, h, self._route_ahead(layer, x), residual=x)
                 else:
                     x = x + ops.dense_mlp(layer, w, h)
                 if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
@@ -168,12 +168,13 @@ class CausalLM:
         return x
 
     def moe(self, layer: int, w: Weights, h: torch.Tensor, ahead: Callable[[torch.Tensor], None] | None = None,
-            *, trunk: bool = True) -> torch.Tensor:
+            *, trunk: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A MoE feed-forward: route h, compute the routed experts (resident ones first, the rest as their reads
         land) and the shared experts. ahead: given this layer's output so far (the experts computed, the shared
         experts), starts the next layers' reads (see _route_ahead); called when the layer would otherwise wait for
         expert reads. trunk=False (an MTP layer, runtime/mtp.py): its routing is neither recorded nor shown to the
-        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device."""
+        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device. residual: returned
+        plus the layer's output (for a one-token bf16 step one native call, the same bits as the torch additions)."""
         indices, weights = self.ops.route(layer, w, h)
         experts = routed_experts(indices, weights)
         if trunk and self.routing_trace is not None:
@@ -236,7 +237,14 @@ class CausalLM:
         finally:
             if pending:  # a failure: what was held and not computed is given back
                 self.source.release([k for k, _ in pending])
-        return output()
+        if residual is None:
+            return output()
+        if native is not None and h.shape[0] == 1:
+            if not shared:
+                shared.append(self.ops.shared_experts(layer, w, h))
+            extra = None if shared[0] is None else shared[0].contiguous()
+            return native.module.combine_add(residual, [parts[e][1] for e in sorted(parts)], extra)
+        return residual + output()
 
     def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 parts: dict, elsewhere: dict, staged: HostInputs | None, host: HostCompute | None,

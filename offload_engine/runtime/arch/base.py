@@ -15,6 +15,7 @@ from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
 from ..kernels.int_experts import IntExpert, int_expert
+from ..kernels import decode as decode_kernels
 from ..kernels.select import fast_linear
 from ..linear import dense, embedding, is_quantized, linear
 from ..moe import softmax_topk
@@ -121,9 +122,34 @@ class StandardOps:
 
     def attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mask: torch.Tensor | None) -> torch.Tensor:
-        q, k_all, v_all = self.project_qkv(layer, w, x, positions, cache)
-        out = attention(q, k_all, v_all, mask, self.s.head_dim ** -0.5)
+        out = self._native_step(layer, w, x, positions, cache, mask)
+        if out is None:
+            q, k_all, v_all = self.project_qkv(layer, w, x, positions, cache)
+            out = attention(q, k_all, v_all, mask, self.s.head_dim ** -0.5)
         return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+
+    def _native_step(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                     mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A one-token decode step's attention between the projections in one native call (QK-norm, RoPE, the
+        cache write, attention over every position: kernels/native/decode_cpu.cpp) where the native kernels are
+        on, the step is bf16 on the CPU, sees every cached position and the cache stores bf16 as given; None
+        otherwise (the torch path). Architectures with their own norm or attention never get here."""
+        kernels = decode_kernels.active.get()
+        s = self.s
+        if (kernels is None or x.shape[0] != 1 or x.dtype is not torch.bfloat16 or x.device.type != "cpu"
+                or type(self).norm is not StandardOps.norm or self.rotary.rotary_dim != s.head_dim
+                or (mask is not None and not bool(mask.all()))):
+            return None
+        buffers = cache.plain_buffers(layer, x.dtype)
+        if buffers is None or int(positions[0]) != cache.length:
+            return None
+        q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias")
+        k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+        v = linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias")
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]) if self.a.qk_norm else (None, None)
+        return kernels.module.attend_one(q.contiguous(), k.contiguous(), v.contiguous(), *norms, s.rms_norm_eps,
+                                         cos, sin, *buffers, cache.length, s.head_dim ** -0.5)
 
     def project_qkv(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

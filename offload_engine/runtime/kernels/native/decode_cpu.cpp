@@ -1,0 +1,149 @@
+// The small steps of a one-token decode step around the matmuls, one native call each instead of ~10-30 torch ops
+// (each ~2-5 us of dispatch and Python on a CPU, several hundred per token: docs/PERF.md).
+//
+// attend_one: a standard attention layer's work between its q/k/v projections and its output projection for one
+//   query (runtime/arch/base.StandardOps.attention's decode step): per-head QK RMSNorm, rotate-half RoPE from the
+//   step's cos/sin tables, the new K/V written into the cache's bf16 buffers, and softmax attention over every
+//   cached position with grouped KV heads. Roundings follow the torch path (each bf16 op rounded, norms and
+//   attention in fp32); the sums' order is fixed, so the bits do not depend on threads.
+// combine_add: x + (sum of the experts' parts in the order given, each addition rounded to bf16) + shared, bit for
+//   bit what runtime/moe.combine and the residual add compute for one row.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "bf16_util.h"
+
+namespace {
+
+using offload_native::bf16;
+using offload_native::to_bf16;
+using offload_native::to_float;
+
+const bf16* cptr(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+bf16* mptr(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+
+void check(const torch::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous(), what,
+              ": expected a contiguous CPU bfloat16 tensor");
+  TORCH_CHECK(numel < 0 || t.numel() == numel, what, ": expected ", numel, " values, got ", t.numel());
+}
+
+// layers.rms_norm on one head's D values, in place: fp32 mean of squares, x * rsqrt rounded, times the weight
+void rms_norm_head(bf16* x, const bf16* w, int64_t D, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; ++i) x[i] = to_bf16(to_float(w[i]) * to_float(to_bf16(to_float(x[i]) * r)));
+}
+
+// layers.apply_rotary (rotate-half, full head): x*cos + rotate_half(x)*sin, each product and the sum rounded
+void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t D) {
+  const int64_t half = D / 2;
+  bf16 out[512];
+  for (int64_t i = 0; i < D; ++i) {
+    const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
+    const float a = to_float(to_bf16(to_float(x[i]) * to_float(cos[i])));
+    const float b = to_float(to_bf16(rotated * to_float(sin[i])));
+    out[i] = to_bf16(a + b);
+  }
+  std::copy(out, out + D, x);
+}
+
+}  // namespace
+
+// q [1, Hq*D], k/v [1, Hkv*D] (bf16, projected); q_norm / k_norm [D] or empty; cos / sin [1, D];
+// k_cache / v_cache [capacity, Hkv, D] bf16: the new entry goes to position `start`, attention covers 0..start
+// -> [1, Hq*D] bf16
+torch::Tensor attend_one(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+                         const std::optional<torch::Tensor>& q_norm, const std::optional<torch::Tensor>& k_norm,
+                         double eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, int64_t start, double scale) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "k/v cache: expected [capacity, heads, dim]");
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(2), Hq = q_in.numel() / D;
+  TORCH_CHECK(D <= 512 && D % 2 == 0 && Hq % Hkv == 0 && Hq * D == q_in.numel(), "head layout does not fit");
+  TORCH_CHECK(start >= 0 && start < k_cache.size(0), "position ", start, " is outside the cache");
+  check(q_in, "q", Hq * D);
+  check(k_in, "k", Hkv * D);
+  check(v_in, "v", Hkv * D);
+  check(cos, "cos", D);
+  check(sin, "sin", D);
+  check(k_cache, "k_cache", -1);
+  check(v_cache, "v_cache", -1);
+  if (q_norm) check(*q_norm, "q_norm", D);
+  if (k_norm) check(*k_norm, "k_norm", D);
+  auto q = q_in.clone();
+  bf16* qp = mptr(q);
+  bf16* kslot = mptr(k_cache) + start * Hkv * D;
+  std::copy(cptr(k_in), cptr(k_in) + Hkv * D, kslot);
+  std::copy(cptr(v_in), cptr(v_in) + Hkv * D, mptr(v_cache) + start * Hkv * D);
+  const float e = static_cast<float>(eps);
+  for (int64_t h = 0; h < Hq; ++h) {
+    if (q_norm) rms_norm_head(qp + h * D, cptr(*q_norm), D, e);
+    rope_head(qp + h * D, cptr(cos), cptr(sin), D);
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    if (k_norm) rms_norm_head(kslot + h * D, cptr(*k_norm), D, e);
+    rope_head(kslot + h * D, cptr(cos), cptr(sin), D);
+  }
+  auto out = torch::empty({1, Hq * D}, q_in.options());
+  const int64_t S = start + 1, group = Hq / Hkv;
+  const bf16* kc = cptr(k_cache);
+  const bf16* vc = cptr(v_cache);
+  bf16* op = mptr(out);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, Hq, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> p(S), qf(D), acc(D);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t i = 0; i < D; ++i) qf[i] = to_float(qp[h * D + i]);
+      float m = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) {
+        const bf16* kr = kc + (s * Hkv + kvh) * D;
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qf[i] * to_float(kr[i]);
+        p[s] = dot * sc;
+        m = std::max(m, p[s]);
+      }
+      float l = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        p[s] = std::exp(p[s] - m);
+        l += p[s];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const bf16* vr = vc + (s * Hkv + kvh) * D;
+        for (int64_t i = 0; i < D; ++i) acc[i] += p[s] * to_float(vr[i]);
+      }
+      for (int64_t i = 0; i < D; ++i) op[h * D + i] = to_bf16(acc[i] / l);
+    }
+  });
+  return out;
+}
+
+// x [1, H] + combine(parts) (+ shared): the parts [1, H] summed in the order given (the caller's ascending expert
+// order) from zero, each addition rounded to bf16, then the shared experts' output added, then the residual
+torch::Tensor combine_add(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                          const std::optional<torch::Tensor>& shared) {
+  const int64_t H = x.numel();
+  check(x, "x", H);
+  for (const auto& p : parts) check(p, "part", H);
+  if (shared) check(*shared, "shared", H);
+  auto out = torch::empty_like(x);
+  const bf16* xp = cptr(x);
+  bf16* op = mptr(out);
+  std::vector<const bf16*> pp;
+  for (const auto& p : parts) pp.push_back(cptr(p));
+  const bf16* sp = shared ? cptr(*shared) : nullptr;
+  for (int64_t j = 0; j < H; ++j) {
+    float acc = 0.f;
+    for (const bf16* p : pp) acc = to_float(to_bf16(acc + to_float(p[j])));
+    if (sp) acc = to_float(to_bf16(acc + to_float(sp[j])));
+    op[j] = to_bf16(to_float(xp[j]) + acc);
+  }
+  return out;
+}
