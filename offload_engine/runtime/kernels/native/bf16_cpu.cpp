@@ -22,6 +22,7 @@ namespace {
 using offload_native::bf16;
 using offload_native::to_bf16;
 using offload_native::to_float;
+constexpr int64_t kPrefetchTiles = 8;  // how far ahead dot_tile prefetches weight rows (a prefetch never faults)
 constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
 
 // y[r][m] = sum_k W[r][k] x[m][k] for R <= 4 weight rows and MR <= 4 rows of x: R x MR independent fp32
@@ -32,8 +33,13 @@ inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  // the weight rows kPrefetchTiles tiles ahead (the next rows of this thread's block, ldw == K), fetched one line
+  // per row per step: a tile spans R short streams (a 256-wide row is 8 lines), too short for the hardware
+  // prefetcher to ramp up on each, and a decode step is bound by this memory traffic
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * R * ldw);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (k / 32 * R + r) * 64, _MM_HINT_T0);
     __m512bh xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
