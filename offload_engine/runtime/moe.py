@@ -61,10 +61,10 @@ def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch
     xs, ws, rows = [], [], []
     if x.shape[0] == 1:
         routed = indices[0].tolist()
+        row = weights[0].to(x.dtype).unbind(0)  # one op for the k routing weights (0-d views: one value each)
         for e, _ in experts:
-            slot = routed.index(e)
             xs.append(x)
-            ws.append(weights[0, slot:slot + 1].to(x.dtype))
+            ws.append(row[routed.index(e)])
             rows.append(_ROW0)
     else:
         for e, _ in experts:
