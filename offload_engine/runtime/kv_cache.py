@@ -132,8 +132,9 @@ class KVCache:
 
     def plain_buffers(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
         """The layer's entry buffers ([capacity, ...] each) where they hold `dtype` values as given (`auto`) and
-        one more position fits: a native kernel then writes position `length` itself (kernels/decode.py's
-        attention step) instead of calling `append`; None otherwise (not allocated yet, quantized, full)."""
+        one more position fits: a native kernel then writes position `length` itself (arch/base.py's
+        StandardOps._native_step, kernels/native/decode_cpu.cpp) instead of calling `append`; None otherwise
+        (not allocated yet, quantized, full)."""
         store = self._store[layer]
         if store is None or self.length >= self.capacity:
             return None

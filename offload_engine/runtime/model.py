@@ -173,8 +173,9 @@ class CausalLM:
         land) and the shared experts. ahead: given this layer's output so far (the experts computed, the shared
         experts), starts the next layers' reads (see _route_ahead); called when the layer would otherwise wait for
         expert reads. trunk=False (an MTP layer, runtime/mtp.py): its routing is neither recorded nor shown to the
-        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device. residual: returned
-        plus the layer's output (for a one-token bf16 step one native call, the same bits as the torch additions)."""
+        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device.
+        residual: returned plus the layer's output (for a one-token bf16 step one native call, combine_add: the same
+        bits as the torch additions)."""
         indices, weights = self.ops.route(layer, w, h)
         experts = routed_experts(indices, weights)
         if trunk and self.routing_trace is not None:
@@ -185,11 +186,14 @@ class CausalLM:
         parts = {}
         shared: list[torch.Tensor | None] = []  # computed once, when first needed
 
-        def output() -> torch.Tensor:
+        def shared_output() -> torch.Tensor | None:
             if not shared:
                 shared.append(self.ops.shared_experts(layer, w, h))
-            out = combine(h, parts)
-            return out if shared[0] is None else out + shared[0]
+            return shared[0]
+
+        def output() -> torch.Tensor:
+            out, extra = combine(h, parts), shared_output()
+            return out if extra is None else out + extra
 
         # resident experts first, the rest as their reads land; with the native grouped kernel the resident ones
         # are computed in one call (`after_resident`), each later one as it lands
@@ -240,10 +244,9 @@ class CausalLM:
         if residual is None:
             return output()
         if native is not None and h.shape[0] == 1:
-            if not shared:
-                shared.append(self.ops.shared_experts(layer, w, h))
-            extra = None if shared[0] is None else shared[0].contiguous()
-            return native.module.combine_add(residual, [parts[e][1] for e in sorted(parts)], extra)
+            extra = shared_output()
+            return native.module.combine_add(residual, [parts[e][1] for e in sorted(parts)],
+                                             None if extra is None else extra.contiguous())
         return residual + output()
 
     def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,

@@ -64,8 +64,10 @@ torch::Tensor attend_one(const torch::Tensor& q_in, const torch::Tensor& k_in, c
                          double eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, int64_t start, double scale) {
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "k/v cache: expected [capacity, heads, dim]");
-  const int64_t Hkv = k_cache.size(1), D = k_cache.size(2), Hq = q_in.numel() / D;
-  TORCH_CHECK(D <= 512 && D % 2 == 0 && Hq % Hkv == 0 && Hq * D == q_in.numel(), "head layout does not fit");
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && D > 0 && D <= 512 && D % 2 == 0, "k/v cache: expected heads > 0 and an even head dim <= 512");
+  const int64_t Hq = q_in.numel() / D;
+  TORCH_CHECK(Hq % Hkv == 0 && Hq * D == q_in.numel(), "q: not a whole number of heads per KV head");
   TORCH_CHECK(start >= 0 && start < k_cache.size(0), "position ", start, " is outside the cache");
   check(q_in, "q", Hq * D);
   check(k_in, "k", Hkv * D);
