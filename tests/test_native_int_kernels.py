@@ -1,5 +1,5 @@
 """The native int8 / int4 CPU kernels (runtime/kernels/native/int_cpu.cpp, int_experts.py): against
-dequantize-then-matmul in float32 and torch's weight-only kernels, an expert's bits independent of grouping and
+dequantize-then-matmul in float32 on the input as they quantize it and torch's weight-only kernels, an expert's bits independent of grouping and
 threads, and ct-int8 / ct-int4 bf16 engines whose decode takes them giving the same bits at every budget."""
 from __future__ import annotations
 
@@ -32,6 +32,20 @@ def int4_form(n: int, k: int, g: torch.Generator, group: int = 32) -> list[torch
     return [cpu_int.int4_pack_bytes(cpu_int.pair_bytes(q)), sz]
 
 
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize it, dequantized, float32: per block of 32, q = round(x * 127 / amax) and the rest
+    in sixteenths of a step, r = round((x - q * amax / 127) * 16 * 127 / amax), x^ = (16 q + r) * amax / 2032
+    (round: to nearest even)."""
+    m, k = x.shape
+    blocks = F.pad(x.float(), (0, -k % 32)).view(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # a division (127 / t is reciprocal * 127)
+    step = amax / 127
+    q = torch.round(blocks * inv)
+    r = torch.round((blocks - q * step) * (inv * 16))
+    return ((16 * q + r) * (step / 16)).view(m, -1)[:, :k]
+
+
 def dense(form: list[torch.Tensor]) -> torch.Tensor:
     if form[0].dtype == torch.uint8:
         return cpu_int.int4_dense(form[0], form[1])
@@ -51,13 +65,17 @@ def test_linear_matches_dequantize_then_matmul(kind: str, m: int, n: int, k: int
     g = torch.Generator().manual_seed(m * n + k)
     form = (int8_form if kind == "int8" else int4_form)(n, k, g, **extra)
     x = torch.randn(m, k, generator=g).bfloat16()
-    ref = F.linear(x.float(), dense(form))
+    w = dense(form)
+    ref = F.linear(quantized(x), w)
     ours = native.int_linear(x, form)
     assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
-    # fp32 sums rounded once to bf16: within one bf16 rounding of the float32 product (and its sums' fp32 error)
+    # the quantized input's product: fp32 sums rounded once to bf16, within one bf16 rounding of the float32
+    # product (and its sums' fp32 error)
     assert (ours.float() - ref).abs().le(ref.abs() * 2 ** -8 + ref.abs().max() * 1e-5).all()
-    if n % 16 == 0 and k % 16 == 0:  # torch's kernels' own shape limits
-        assert rel(ours, ref) <= max(rel(int_experts.torch_mm(x, form), ref), 2 ** -9)
+    # against the bf16 input itself: within the quantization's own bound, sum_k |W[n, k]| |x_k - x^_k|
+    exact = F.linear(x.float(), w)
+    bound = F.linear((x.float() - quantized(x)).abs(), w.abs())
+    assert (ours.float() - exact).abs().le(bound + exact.abs() * 2 ** -8 + exact.abs().max() * 1e-5).all()
 
 
 def _experts(count: int, hidden: int, inter: int, kinds: tuple[str, ...], seed: int = 0, fused: bool = False):
@@ -85,12 +103,16 @@ def test_experts_match_the_torch_path(fused: bool) -> None:
         wgate, wup = wg.chunk(2) if fused else (wg, dense(ups[e]))
         x = xs[e].float()
         ref = F.linear(F.silu(F.linear(x, wgate)) * F.linear(x, wup), dense(downs[e])) * ws[e][:, None].float()
-        assert rel(ours[e], ref) <= 2 * max(rel(torch_bf16, ref), 2 ** -8), e
-        assert rel(ours[e], torch_bf16.float()) <= 2 ** -5, e  # the same roundings: near torch's bits
+        # each projection in float32 on the input it quantizes (x, then h made as the kernel makes it, in bf16):
+        # ours is then bf16 rounding away, as torch's bf16 path is from the float32 one
+        h = F.silu(F.linear(quantized(xs[e]), wgate).bfloat16()) * F.linear(quantized(xs[e]), wup).bfloat16()
+        ref_q8 = F.linear(quantized(h), dense(downs[e])) * ws[e][:, None].float()
+        assert rel(ours[e], ref_q8) <= 2 * max(rel(torch_bf16, ref), 2 ** -8), e
+        assert rel(ours[e], torch_bf16.float()) <= 2 ** -5, e  # torch's weight-only kernels: within 3%
 
 
 def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
-    xs, gates, ups, downs, ws = _experts(6, 128, 80, ("int4", "int8"), seed=1)
+    xs, gates, ups, downs, ws = _experts(6, 128, 96, ("int4", "int8"), seed=1)  # 96: a 64-row block and 32 rows after
     together = native.experts_int(xs, gates, ups, downs, ws)
     linear = [native.int_linear(xs[e], gates[e]) for e in range(6)]
     before = torch.get_num_threads()
@@ -134,7 +156,10 @@ def test_int_engine_on_native_kernels_is_budget_invariant(arch: str, quant: str,
                                                           monkeypatch) -> None:
     """Decode takes the native int kernels; the resident experts of a layer go in one call and the rest one by
     one as they land, so a 25% budget groups them differently from 100%: the bits must not move. Against torch's
-    kernels (OFFLOAD_ENGINE_NATIVE=0): the same model to bf16 rounding, no further from the float32 logits."""
+    kernels (OFFLOAD_ENGINE_NATIVE=0): no further from the float32 logits. (The two do not agree to bf16 rounding:
+    the native kernels quantize their inputs to 12 bits per 32 values, a projection's output within ~0.3% as
+    torch's bf16 kernels are, but other bits, which this small random model amplifies from layer to layer, to
+    ~25-35% of the logits for either.)"""
     monkeypatch.setenv("OFFLOAD_ENGINE_NATIVE", "all")
     path = checkpoint_factory(arch, "offload", dtype="bfloat16", quant=quant, **extra)
     ids = list(range(3, 15))
@@ -156,7 +181,6 @@ def test_int_engine_on_native_kernels_is_budget_invariant(arch: str, quant: str,
         theirs = engine.logits(ids)
     with Engine.open(path, dtype="float32", kernels="dequantize", max_context=64) as engine:
         exact = engine.logits(ids)
-    assert rel(full, theirs.float()) < 0.05
     scale = exact.abs().max().item()
     ours_err, theirs_err = ((t.float() - exact).abs().max().item() / scale for t in (full, theirs))
     assert ours_err <= BF16_FACTOR * theirs_err + BF16_TOL, f"native {ours_err:.3g} vs torch {theirs_err:.3g}"

@@ -28,7 +28,11 @@ HEADERS = (NATIVE / "bf16_util.h",)
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+         "-mavx512vbmi", "-fopenmp")
+# int_cpu.cpp's VPDPBUSD (VNNI) and VPERMT2B (VBMI): Sapphire Rapids and Zen 4 on have them all; Cooper Lake,
+# the one AVX512-BF16 CPU without VBMI, falls back to torch's kernels
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi"})
 STALE_LOCK_S = 900  # a build takes 1-2 min on 2 cores
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -52,7 +56,7 @@ def supported() -> str | None:
         return "OFFLOAD_ENGINE_NATIVE=0"
     if sys.platform != "linux" or sys.byteorder != "little":
         return f"{sys.platform}: the native kernels are built for x86-64 Linux"
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
+    missing = REQUIRED_FLAGS - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     return None

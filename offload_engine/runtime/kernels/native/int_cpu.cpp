@@ -1,25 +1,35 @@
-// Weight-only int8 / int4 matrix-vector kernels for x86 CPUs with AVX512 (built with bf16_cpu.cpp: native_build.py).
+// Weight-only int8 / int4 matrix-vector kernels for x86 CPUs with AVX512-VNNI and VBMI (built with bf16_cpu.cpp:
+// native_build.py).
 //
 // The weights are read in the kernel forms runtime/kernels/cpu_int.py makes for torch's CPU kernels (a unit's slot
 // holds one form, whichever kernel multiplies it):
-//   int8  q int8 [N, K], s [N], optional zero term t [N]:      y[n] = s[n] * (x . q[n]) - sum(x) * t[n]
+//   int8  q int8 [N, K], s [N], optional zero term t [N]:      W[n, k] = q[n, k] * s[n] - t[n]
 //   int4  torch's CPU int4 pack uint8 [N, K/2], sz [K/g, N, 2]: W[n, k] = (q[n, k] - 8) * s + z in group k / g
-// Activations and scales are bf16, converted to fp32; a weight is converted in registers (int8 -> fp32 exactly; a
-// nibble -> q - 8 in fp32 by a 16-entry table lookup, VPERMPS); products and sums in fp32, one bf16 rounding per
-// output, as torch's kernels round. int4: per group sum_k x_k (q_nk - 8), then * s + z * sum_k x_k (exact algebra
-// on the format's definition), so the scale costs one FMA per group, not per weight.
 //
-// Why: torch's weight-only kernels cost ~12 small ops per routed expert from Python and reach a fraction of the
-// memory bandwidth at decode's one row; here one call computes all of a layer's resident routed experts.
+// The input is quantized once per call, per block of 32 values, to two int8 digits (llama.cpp quantizes its
+// activations to one, Q8_0): q = round(x * 127 / amax), then the rest x - q * amax / 127 to r in -8..8 sixteenths
+// of that step, so x^ = (16 q + r) * amax / 2032: 12 bits of the block's range, an error under a bf16 rounding for
+// every value above amax / 8 (one digit alone gave ~1% of a projection's output on the tests' models, several times
+// torch's bf16 path). The kernel computes x^ @ W.T exactly in integers within a block (VPDPBUSD: 64 byte products
+// summed into 16 int32 lanes, twice: 16 dot(w, q) + dot(w, r)), in fp32 across blocks, and rounds each output once
+// to bf16. Widening each weight to fp32 instead (the previous kernel) cost ~12 vector ops per 64 weights and ran at
+// 12-13 GB/s, compute-bound, where the memory gives ~35. Tests compare against dequantize-then-matmul on x^.
+//   int8  VPDPBUSD multiplies unsigned by signed bytes: the weight is flipped to q + 128 (one XOR) and the
+//         128 * sum(x^) it adds is taken off once per row: y = s * (sum_blocks dot(q + 128, x^) - 128 S) - S t
+//   int4  the nibbles are unsigned already (0..15, and 16 q still fits a byte): per group
+//         s * sum_blocks dot(q, x^) + (z - 8 s) * S_g; the pack's bytes hold rows i (low nibble) and i + 32 (high)
+//         of a 64-row block at each k, so four k's bytes are regrouped (VPERMT2B) into one 32-bit lane per row.
+//   S, S_g: the sums of x^ over the row / over group g.
 //
-// Determinism: as in bf16_cpu.cpp every output element is one thread's sum in a fixed order (int8: ascending k in
-// 16 lanes, then the lanes' reduction; int4: each group over ascending k, groups ascending), whatever the thread
-// count, the split of the rows or the other experts of the call.
+// Determinism: every output element is one thread's sum in a fixed order (integers within a block, then blocks in
+// ascending k in fp32, then the 16 lanes' reduction), whatever the thread count, the split of the rows or the other
+// experts of the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -30,6 +40,11 @@ namespace {
 using offload_native::bf16;
 using offload_native::to_bf16;
 using offload_native::to_float;
+constexpr int64_t kBlock = 32;  // inputs per activation scale (llama.cpp's Q8_0 block)
+constexpr int64_t kChunk = 64;  // inputs per VPDPBUSD (two blocks: lanes 0-7 and 8-15)
+constexpr int64_t kPrefetchTiles = 8;  // int8: how many NB-row tiles ahead the weight rows are prefetched
+constexpr int64_t kPrefetchBytes = 2048;  // int4: how far ahead in a block's one stream
+constexpr int64_t kPrefetchGroups = 4;  // int4: how many groups ahead a block's scales are prefetched
 
 struct Form {  // one projection's weight in its kernel form
   bool int4 = false;
@@ -40,11 +55,17 @@ struct Form {  // one projection's weight in its kernel form
   int64_t N = 0, K = 0, G = 1;  // G: groups of K (int4), 1 (int8)
 };
 
-struct Act {  // a projection's input: x in fp32 [M, K] and its sums per group [M, G]
-  std::vector<float> x, sums;
-  int64_t M = 0, K = 0, G = 1;
+struct Act {  // a projection's input as two int8 digits per block of 32, and the sums of x^ per group
+  std::vector<int8_t> q, r;  // [M, Kp] each: Kp = K rounded up to kChunk, zero after K (x^ = (16 q + r) * scale)
+  std::vector<float> lanes;  // [M, Kp / kChunk, 16]: each chunk's two block scales, one per VPDPBUSD lane
+  std::vector<float> sums;  // [M, G]
+  int64_t M = 0, K = 0, Kp = 0, G = 1;
   const void* source = nullptr;  // the bf16 rows it was made from (experts routed the same x share it)
   int64_t ldx = 0;
+  const int8_t* row(int64_t m) const { return q.data() + m * Kp; }
+  const int8_t* rest(int64_t m) const { return r.data() + m * Kp; }
+  const float* chunk_scales(int64_t m, int64_t c) const { return lanes.data() + (m * (Kp / kChunk) + c) * 16; }
+  float block_scale(int64_t m, int64_t b) const { return chunk_scales(m, b / 2)[(b % 2) * 8]; }
 };
 
 struct Proj {
@@ -85,65 +106,81 @@ Form form_of(const std::vector<torch::Tensor>& parts, const char* what, int64_t 
     TORCH_CHECK(f.N % 2 == 0 && (w.numel() * 2) % f.N == 0, what, " of expert ", e, ": ", w.numel(),
                 " packed bytes for ", f.N, " rows");
     f.K = w.numel() * 2 / f.N;
-    TORCH_CHECK(f.G > 0 && f.K % f.G == 0, what, " of expert ", e, ": ", f.G, " groups do not divide ", f.K);
+    TORCH_CHECK(f.G > 0 && f.K % f.G == 0 && (f.K / f.G) % kBlock == 0, what, " of expert ", e, ": ", f.G,
+                " groups of a multiple of 32 inputs do not divide ", f.K);
   }
   f.s = data<bf16>(s);
   return f;
 }
 
-// x (bf16 rows, ldx apart) in fp32, and its sums over each of G equal groups of k (ascending k)
+// x (bf16 rows, ldx apart) per block of 32: q = rne(x * inv) with inv = 127 / amax, then the rest x - q * amax / 127
+// as r = rne(rest * 16 inv) in -8..8, so x^ = (16 q + r) * scale with scale = amax / (127 * 16) (rne: round to
+// nearest even)
 void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
   a.M = M, a.K = K, a.G = G, a.source = x, a.ldx = ldx;
-  a.x.resize(M * K);
+  a.Kp = (K + kChunk - 1) / kChunk * kChunk;
+  a.q.assign(M * a.Kp, 0);
+  a.r.assign(M * a.Kp, 0);
+  a.lanes.assign(M * a.Kp / kChunk * 16, 0.0f);
   a.sums.assign(M * G, 0.0f);
   const int64_t g = K / G;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t group = 0; group < G; ++group) {
-      float sum = 0.0f;
-      for (int64_t k = group * g; k < (group + 1) * g; ++k) {
-        float v = to_float(x[m * ldx + k]);
-        a.x[m * K + k] = v;
-        sum += v;
+    for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+      const int64_t k1 = std::min(K, k0 + kBlock);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(to_float(x[m * ldx + k])));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, step = amax / 127.0f, scale = step / 16.0f;
+      int32_t qsum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float v = to_float(x[m * ldx + k]);
+        const float q = std::nearbyint(v * inv), r = std::nearbyint((v - q * step) * (inv * 16.0f));
+        a.q[m * a.Kp + k] = static_cast<int8_t>(q);
+        a.r[m * a.Kp + k] = static_cast<int8_t>(r);
+        qsum += 16 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
       }
-      a.sums[m * G + group] = sum;
+      float* lanes = a.lanes.data() + (m * (a.Kp / kChunk) + k0 / kChunk) * 16 + (k0 % kChunk) / kBlock * 8;
+      std::fill(lanes, lanes + 8, scale);
+      a.sums[m * G + k0 / g] += static_cast<float>(qsum) * scale;  // blocks nest in groups (int4: g % 32 == 0)
     }
 }
 
-// ---- int8: NB weight rows at a time (independent FMA chains), MB rows of x per pass ---------------------------
+// ---- int8: NB weight rows at a time (independent chains), MB rows of x per pass -------------------------------
 template <int NB, int MB>
 void int8_rows(const Form& f, const Act& a, int64_t m0, int64_t n, bf16* out, int64_t ldo) {
   __m512 acc[NB][MB];
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
   const int64_t K = f.K;
-  const float* x = a.x.data() + m0 * K;
   const int8_t* w = f.q8 + n * K;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
-    for (int r = 0; r < NB; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + 256), _MM_HINT_T0);
-      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(w + r * K + k))));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+  // the rows kPrefetchTiles tiles ahead (this task's next rows: they follow these in memory), one line per row per
+  // step: a tile is NB short streams the hardware prefetcher does not ramp up on (as in bf16_cpu.cpp's dot_tile)
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * NB * K);
+  for (int64_t k = 0; k < K; k += kChunk) {
+    const int64_t c = k / kChunk;
+    const __mmask64 mask = K - k >= kChunk ? ~0ull : (1ull << (K - k)) - 1;  // past K: q + 128 times x's 0
+    __m512i xq[MB], xr[MB];
+    __m512 xs[MB];
+    for (int m = 0; m < MB; ++m) {
+      xq[m] = _mm512_loadu_si512(a.row(m0 + m) + k);
+      xr[m] = _mm512_loadu_si512(a.rest(m0 + m) + k);
+      xs[m] = _mm512_loadu_ps(a.chunk_scales(m0 + m, c));
     }
-  }
-  if (k < K) {  // the same lanes, masked
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
     for (int r = 0; r < NB; ++r) {
-      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + r * K + k)));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+      _mm_prefetch(ahead + (k / kChunk * NB + r) * 64, _MM_HINT_T0);
+      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
+      for (int m = 0; m < MB; ++m) {  // 16 dot(w, q) + dot(w, r): exact, below 2^24
+        const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, wv, xq[m]), 4),
+                                           _mm512_dpbusd_epi32(zero, wv, xr[m]));
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs[m], acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < NB; ++r) {
-    const float s = to_float(f.s[n + r]);
+    const float s = to_float(f.s[n + r]), t = f.t != nullptr ? to_float(f.t[n + r]) : 0.0f;
     for (int m = 0; m < MB; ++m) {
-      float y = s * _mm512_reduce_add_ps(acc[r][m]);
-      if (f.t != nullptr) y -= a.sums[(m0 + m) * a.G] * to_float(f.t[n + r]);
-      out[(m0 + m) * ldo + n + r] = to_bf16(y);
+      const float sum = a.sums[(m0 + m) * a.G];
+      out[(m0 + m) * ldo + n + r] = to_bf16(s * (_mm512_reduce_add_ps(acc[r][m]) - 128.0f * sum) - sum * t);
     }
   }
 }
@@ -155,109 +192,108 @@ void int8_span(const Form& f, const Act& a, int64_t m0, int64_t n0, int64_t n1, 
   for (; n < n1; ++n) int8_rows<1, MB>(f, a, m0, n, out, ldo);
 }
 
-// ---- int4: a tile of up to 32 bytes per k (H halves of 16), each byte two rows (low and high nibble) -----------
-struct Tile {
-  const uint8_t* base;  // byte (k, j) at base[k * ld + j]
-  int64_t ld;
-  int nbytes;  // <= 16 * H
-  int32_t lo[32], hi[32];  // the rows of byte j's low and high nibble
-  bool contiguous;  // lo[16h + j] = lo[16h] + j (and hi alike): scales loaded, not gathered
-};
-
-inline void scale_zero(const Form& f, int64_t group, const int32_t* rows, bool contiguous, __mmask16 mask,
-                       __m512& s, __m512& z) {
+// ---- int4: a 64-row block of the pack (32 bytes a k: byte i = row i low, row i + 32 high) ---------------------
+// Vectors v of a block: 0 = rows 0-15 (low nibbles of bytes 0-15), 1 = rows 16-31, 2 = rows 32-47, 3 = rows 48-63.
+inline void scale_zero(const Form& f, int64_t group, int64_t row, __mmask16 mask, __m512& s, __m512& z) {
   const int* pairs = reinterpret_cast<const int*>(f.s + group * f.N * 2);  // one (scale, zero) pair per row
-  __m512i v = contiguous ? _mm512_maskz_loadu_epi32(mask, pairs + rows[0])
-                         : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask,
-                                                       _mm512_maskz_loadu_epi32(mask, rows), pairs, 4);
+  const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + row);
   s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int H, int MB>
-void int4_tile(const Form& f, const Act& a, int64_t m0, const Tile& t, bf16* out, int64_t ldo) {
-  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  __mmask16 mask[H];
-  for (int h = 0; h < H; ++h) {
-    int n = std::max(0, std::min(16, t.nbytes - 16 * h));
-    mask[h] = static_cast<__mmask16>((1u << n) - 1);
-  }
-  __m512 tot_lo[H][MB], tot_hi[H][MB];
-  for (int h = 0; h < H; ++h)
-    for (int m = 0; m < MB; ++m) tot_lo[h][m] = tot_hi[h][m] = _mm512_setzero_ps();
-  const int64_t K = f.K, g = K / f.G;
-  const float* x = a.x.data() + m0 * K;
+// rows [r0, r0 + rows) of the projection from a block's bytes (base: byte (k, i) at base[32 k + i])
+template <int MB>
+void int4_block(const Form& f, const Act& a, int64_t m0, const uint8_t* base, int64_t r0, int rows, bf16* out,
+                int64_t ldo) {
+  alignas(64) static const struct Index {  // byte 4 i + t of lane i: byte i (or 16 + i) of k + t, of 4 k's bytes
+    uint8_t first[64], second[64];
+    Index() {
+      for (int i = 0; i < 16; ++i)
+        for (int t = 0; t < 4; ++t) first[4 * i + t] = 32 * t + i, second[4 * i + t] = 32 * t + 16 + i;
+    }
+  } index;
+  const __m512i first = _mm512_load_si512(index.first), second = _mm512_load_si512(index.second);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __mmask16 mask[4];
+  for (int v = 0; v < 4; ++v) mask[v] = static_cast<__mmask16>((1u << std::clamp(rows - 16 * v, 0, 16)) - 1);
+  __m512 tot[4][MB];
+  for (int v = 0; v < 4; ++v)
+    for (int m = 0; m < MB; ++m) tot[v][m] = _mm512_setzero_ps();
+  const int64_t g = f.K / f.G;
   for (int64_t group = 0; group < f.G; ++group) {
-    __m512 lo_acc[H][MB], hi_acc[H][MB];
-    for (int h = 0; h < H; ++h)
-      for (int m = 0; m < MB; ++m) lo_acc[h][m] = hi_acc[h][m] = _mm512_setzero_ps();
-    for (int64_t k = group * g; k < (group + 1) * g; ++k) {
-      // 2 KB ahead of a block (hints do not fault past the end)
-      if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(t.base + (k + 64) * t.ld), _MM_HINT_T0);
-      __m512 xb[MB];
-      for (int m = 0; m < MB; ++m) xb[m] = _mm512_set1_ps(x[m * K + k]);
-      for (int h = 0; h < H; ++h) {
-        __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask[h], t.base + k * t.ld + 16 * h));
-        __m512 lo = _mm512_permutexvar_ps(b, table);  // the low 4 bits of each lane index the table
-        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    // this block's (scale, zero) pairs of a later group: 256 bytes every N * 4, a stride no prefetcher follows
+    const char* pairs = reinterpret_cast<const char*>(f.s + ((group + kPrefetchGroups) * f.N + r0) * 2);
+    for (int line = 0; line < 4; ++line) _mm_prefetch(pairs + 64 * line, _MM_HINT_T0);
+    __m512 gsum[4][MB];
+    for (int v = 0; v < 4; ++v)
+      for (int m = 0; m < MB; ++m) gsum[v][m] = _mm512_setzero_ps();
+    for (int64_t k0 = group * g; k0 < (group + 1) * g; k0 += kBlock) {
+      __m512i acc[4][MB];
+      for (int v = 0; v < 4; ++v)
+        for (int m = 0; m < MB; ++m) acc[v][m] = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k0 + kBlock; k += 4) {
+        const uint8_t* p = base + 32 * k;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (hints never fault)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + 64), _MM_HINT_T0);
+        const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 64);
+        const __m512i b0 = _mm512_permutex2var_epi8(lo, first, hi), b1 = _mm512_permutex2var_epi8(lo, second, hi);
+        // each vector's nibbles q, and 16 q (still a byte): dot(16 q, x's q) + dot(q, x's r) in one sum
+        const __m512i lo0 = _mm512_and_si512(b0, nibble), lo1 = _mm512_and_si512(b1, nibble);
+        const __m512i hi0 = _mm512_andnot_si512(nibble, b0), hi1 = _mm512_andnot_si512(nibble, b1);
+        const __m512i q[4] = {lo0, lo1, _mm512_srli_epi16(hi0, 4), _mm512_srli_epi16(hi1, 4)};
+        const __m512i q16[4] = {_mm512_slli_epi16(lo0, 4), _mm512_slli_epi16(lo1, 4), hi0, hi1};
         for (int m = 0; m < MB; ++m) {
-          lo_acc[h][m] = _mm512_fmadd_ps(lo, xb[m], lo_acc[h][m]);
-          hi_acc[h][m] = _mm512_fmadd_ps(hi, xb[m], hi_acc[h][m]);
+          int32_t four_q, four_r;
+          std::memcpy(&four_q, a.row(m0 + m) + k, sizeof four_q);
+          std::memcpy(&four_r, a.rest(m0 + m) + k, sizeof four_r);
+          const __m512i xq = _mm512_set1_epi32(four_q), xr = _mm512_set1_epi32(four_r);
+          for (int v = 0; v < 4; ++v)
+            acc[v][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[v][m], q16[v], xq), q[v], xr);
         }
       }
+      for (int m = 0; m < MB; ++m) {
+        const __m512 sx = _mm512_set1_ps(a.block_scale(m0 + m, k0 / kBlock));
+        for (int v = 0; v < 4; ++v) gsum[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][m]), sx, gsum[v][m]);
+      }
     }
-    for (int h = 0; h < H; ++h) {
-      __m512 s_lo, z_lo, s_hi, z_hi;
-      scale_zero(f, group, t.lo + 16 * h, t.contiguous, mask[h], s_lo, z_lo);
-      scale_zero(f, group, t.hi + 16 * h, t.contiguous, mask[h], s_hi, z_hi);
+    for (int v = 0; v < 4; ++v) {
+      __m512 s, z;
+      scale_zero(f, group, r0 + 16 * v, mask[v], s, z);
+      const __m512 term = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // z - 8 s: the nibbles' offset
       for (int m = 0; m < MB; ++m) {
         const __m512 sum = _mm512_set1_ps(a.sums[(m0 + m) * a.G + group]);
-        tot_lo[h][m] = _mm512_fmadd_ps(z_lo, sum, _mm512_fmadd_ps(lo_acc[h][m], s_lo, tot_lo[h][m]));
-        tot_hi[h][m] = _mm512_fmadd_ps(z_hi, sum, _mm512_fmadd_ps(hi_acc[h][m], s_hi, tot_hi[h][m]));
+        tot[v][m] = _mm512_fmadd_ps(term, sum, _mm512_fmadd_ps(gsum[v][m], s, tot[v][m]));
       }
     }
   }
-  alignas(64) float lo[16], hi[16];
-  for (int h = 0; h < H; ++h)
+  alignas(64) float y[16];
+  for (int v = 0; v < 4; ++v)
     for (int m = 0; m < MB; ++m) {
-      _mm512_store_ps(lo, tot_lo[h][m]);
-      _mm512_store_ps(hi, tot_hi[h][m]);
-      bf16* row = out + (m0 + m) * ldo;
-      for (int j = 0; j < 16 && 16 * h + j < t.nbytes; ++j) {
-        row[t.lo[16 * h + j]] = to_bf16(lo[j]);
-        row[t.hi[16 * h + j]] = to_bf16(hi[j]);
-      }
+      _mm512_store_ps(y, tot[v][m]);
+      bf16* row = out + (m0 + m) * ldo + r0 + 16 * v;
+      for (int j = 0; j < 16 && 16 * v + j < rows; ++j) row[j] = to_bf16(y[j]);
     }
 }
 
-// The tile of rows [r0, r0 + 64) (a full block of the pack) or of the last N % 64 rows (r0 = N / 64 * 64)
-Tile tile_at(const Form& f, int64_t r0) {
-  Tile t;
-  const int64_t full = f.N / 64 * 64;
-  if (r0 < full) {  // block: byte (k, j) holds rows r0 + j (low) and r0 + 32 + j (high), 32 bytes a k
-    t.base = f.q4 + r0 * f.K / 2;
-    t.ld = 32;
-    t.nbytes = 32;
-    t.contiguous = true;
-    for (int j = 0; j < 32; ++j) t.lo[j] = r0 + j, t.hi[j] = r0 + 32 + j;
-  } else {  // the rest: byte (k, j) holds rows full + 2j (low) and full + 2j + 1 (high)
-    t.base = f.q4 + full * f.K / 2;
-    t.ld = (f.N - full) / 2;
-    t.nbytes = static_cast<int>(t.ld);
-    t.contiguous = false;
-    for (int j = 0; j < 32; ++j) {
-      t.lo[j] = j < t.nbytes ? full + 2 * j : 0;
-      t.hi[j] = j < t.nbytes ? full + 2 * j + 1 : 0;
-    }
-  }
-  return t;
+// The pack's last N % 64 rows (byte (k, j) = rows 2j | 2j + 1 << 4) laid out as a block, rows past them zero
+const uint8_t* rest_as_block(const Form& f, int64_t full, std::vector<uint8_t>& buf) {
+  const int64_t R = f.N - full, ld = R / 2, K = f.K;
+  const uint8_t* rest = f.q4 + full * K / 2;
+  auto nib = [&](int64_t k, int64_t r) -> uint8_t {
+    return r < R ? (rest[k * ld + r / 2] >> (4 * (r % 2))) & 15 : 0;
+  };
+  buf.resize(K * 32);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t i = 0; i < 32; ++i) buf[k * 32 + i] = nib(k, i) | nib(k, 32 + i) << 4;
+  return buf.data();
 }
 
 template <int MB>
 void int4_rows(const Form& f, const Act& a, int64_t m0, int64_t r0, bf16* out, int64_t ldo) {
-  Tile t = tile_at(f, r0);
-  if (t.nbytes > 16) int4_tile<2, MB>(f, a, m0, t, out, ldo);
-  else int4_tile<1, MB>(f, a, m0, t, out, ldo);
+  const int64_t full = f.N / 64 * 64;
+  if (r0 < full) return int4_block<MB>(f, a, m0, f.q4 + r0 * f.K / 2, r0, 64, out, ldo);
+  thread_local std::vector<uint8_t> buf;
+  int4_block<MB>(f, a, m0, rest_as_block(f, full, buf), r0, static_cast<int>(f.N - full), out, ldo);
 }
 
 // rows [n0, n1) of a projection for every row of x (int4: n0 and n1 on the pack's 64-row blocks, or N)
