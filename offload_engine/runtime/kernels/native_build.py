@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decode_cpu.cpp", "bindings.cpp"))
-HEADERS = (NATIVE / "bf16_util.h",)
+HEADERS = (NATIVE / "bf16_util.h", NATIVE / "int_input.h")
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension
