@@ -160,9 +160,10 @@ inline void scale_zero(const Form& f, int64_t group, int64_t row, __mmask16 mask
   z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// rows [r0, r0 + rows) of the projection from a block's bytes (base: byte (k, i) at base[32 k + i])
-template <int MB>
-void int4_block(const Form& f, const Act& a, int64_t m0, const uint8_t* base, int64_t r0, int rows, bf16* out,
+// rows [r0, r0 + rows) of the projection for row m of x, from a block's bytes (base: byte (k, i) at base[32 k + i]).
+// One row of x per pass: its 8 integer accumulators, 4 group sums and 4 totals fill the registers (a second row's
+// pass reads the block again from cache).
+void int4_block(const Form& f, const Act& a, int64_t m, const uint8_t* base, int64_t r0, int rows, bf16* out,
                 int64_t ldo) {
   alignas(64) static const struct Index {  // byte 4 i + t of lane i: byte i (or 16 + i) of k + t, of 4 k's bytes
     uint8_t first[64], second[64];
@@ -175,63 +176,64 @@ void int4_block(const Form& f, const Act& a, int64_t m0, const uint8_t* base, in
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __mmask16 mask[4];
   for (int v = 0; v < 4; ++v) mask[v] = static_cast<__mmask16>((1u << std::clamp(rows - 16 * v, 0, 16)) - 1);
-  __m512 tot[4][MB];
-  for (int v = 0; v < 4; ++v)
-    for (int m = 0; m < MB; ++m) tot[v][m] = _mm512_setzero_ps();
+  __m512 tot[4];
+  for (int v = 0; v < 4; ++v) tot[v] = _mm512_setzero_ps();
+  const int8_t *xq_row = a.row(m), *xr_row = a.rest(m);
   const int64_t g = f.K / f.G;
   for (int64_t group = 0; group < f.G; ++group) {
     // this block's (scale, zero) pairs of a later group: 256 bytes every N * 4, a stride no prefetcher follows
     const char* pairs = reinterpret_cast<const char*>(f.s + ((group + kPrefetchGroups) * f.N + r0) * 2);
     for (int line = 0; line < 4; ++line) _mm_prefetch(pairs + 64 * line, _MM_HINT_T0);
-    __m512 gsum[4][MB];
-    for (int v = 0; v < 4; ++v)
-      for (int m = 0; m < MB; ++m) gsum[v][m] = _mm512_setzero_ps();
+    __m512 gsum[4];
+    for (int v = 0; v < 4; ++v) gsum[v] = _mm512_setzero_ps();
     for (int64_t k0 = group * g; k0 < (group + 1) * g; k0 += kBlock) {
-      __m512i acc[4][MB];
-      for (int v = 0; v < 4; ++v)
-        for (int m = 0; m < MB; ++m) acc[v][m] = _mm512_setzero_si512();
+      // per vector pair j (rows 16 j.., and rows 32 + 16 j.. in the high nibbles): the low nibbles' products with
+      // x's two digits, and the whole bytes' (low + 16 high): the high nibbles' are the difference
+      __m512i low_q[2], low_r[2], byte_q[2], byte_r[2];
+      for (int j = 0; j < 2; ++j) low_q[j] = low_r[j] = byte_q[j] = byte_r[j] = _mm512_setzero_si512();
       for (int64_t k = k0; k < k0 + kBlock; k += 4) {
         const uint8_t* p = base + 32 * k;
         _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (hints never fault)
         _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + 64), _MM_HINT_T0);
         const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 64);
-        const __m512i b0 = _mm512_permutex2var_epi8(lo, first, hi), b1 = _mm512_permutex2var_epi8(lo, second, hi);
-        // each vector's nibbles q, and 16 q (still a byte): dot(16 q, x's q) + dot(q, x's r) in one sum
-        const __m512i lo0 = _mm512_and_si512(b0, nibble), lo1 = _mm512_and_si512(b1, nibble);
-        const __m512i hi0 = _mm512_andnot_si512(nibble, b0), hi1 = _mm512_andnot_si512(nibble, b1);
-        const __m512i q[4] = {lo0, lo1, _mm512_srli_epi16(hi0, 4), _mm512_srli_epi16(hi1, 4)};
-        const __m512i q16[4] = {_mm512_slli_epi16(lo0, 4), _mm512_slli_epi16(lo1, 4), hi0, hi1};
-        for (int m = 0; m < MB; ++m) {
-          int32_t four_q, four_r;
-          std::memcpy(&four_q, a.row(m0 + m) + k, sizeof four_q);
-          std::memcpy(&four_r, a.rest(m0 + m) + k, sizeof four_r);
-          const __m512i xq = _mm512_set1_epi32(four_q), xr = _mm512_set1_epi32(four_r);
-          for (int v = 0; v < 4; ++v)
-            acc[v][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[v][m], q16[v], xq), q[v], xr);
+        const __m512i bytes[2] = {_mm512_permutex2var_epi8(lo, first, hi), _mm512_permutex2var_epi8(lo, second, hi)};
+        int32_t four_q, four_r;
+        std::memcpy(&four_q, xq_row + k, sizeof four_q);
+        std::memcpy(&four_r, xr_row + k, sizeof four_r);
+        const __m512i xq = _mm512_set1_epi32(four_q), xr = _mm512_set1_epi32(four_r);
+        for (int j = 0; j < 2; ++j) {
+          const __m512i low = _mm512_and_si512(bytes[j], nibble);
+          low_q[j] = _mm512_dpbusd_epi32(low_q[j], low, xq);
+          low_r[j] = _mm512_dpbusd_epi32(low_r[j], low, xr);
+          byte_q[j] = _mm512_dpbusd_epi32(byte_q[j], bytes[j], xq);
+          byte_r[j] = _mm512_dpbusd_epi32(byte_r[j], bytes[j], xr);
         }
       }
-      for (int m = 0; m < MB; ++m) {
-        const __m512 sx = _mm512_set1_ps(a.block_scale(m0 + m, k0 / kBlock));
-        for (int v = 0; v < 4; ++v) gsum[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][m]), sx, gsum[v][m]);
+      // sum q (16 xq + xr) exactly: low 16 low_q + low_r; high (byte_q - low_q) + (byte_r - low_r) / 16 (the
+      // difference is 16 x the high nibbles' products, so the shift is exact); each below 2^24
+      const __m512 sx = _mm512_set1_ps(a.block_scale(m, k0 / kBlock));
+      for (int j = 0; j < 2; ++j) {
+        const __m512i low = _mm512_add_epi32(_mm512_slli_epi32(low_q[j], 4), low_r[j]);
+        const __m512i high = _mm512_add_epi32(_mm512_sub_epi32(byte_q[j], low_q[j]),
+                                              _mm512_srai_epi32(_mm512_sub_epi32(byte_r[j], low_r[j]), 4));
+        gsum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), sx, gsum[j]);
+        gsum[j + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), sx, gsum[j + 2]);
       }
     }
+    const __m512 sum = _mm512_set1_ps(a.sums[m * a.G + group]);
     for (int v = 0; v < 4; ++v) {
       __m512 s, z;
       scale_zero(f, group, r0 + 16 * v, mask[v], s, z);
       const __m512 term = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // z - 8 s: the nibbles' offset
-      for (int m = 0; m < MB; ++m) {
-        const __m512 sum = _mm512_set1_ps(a.sums[(m0 + m) * a.G + group]);
-        tot[v][m] = _mm512_fmadd_ps(term, sum, _mm512_fmadd_ps(gsum[v][m], s, tot[v][m]));
-      }
+      tot[v] = _mm512_fmadd_ps(term, sum, _mm512_fmadd_ps(gsum[v], s, tot[v]));
     }
   }
   alignas(64) float y[16];
-  for (int v = 0; v < 4; ++v)
-    for (int m = 0; m < MB; ++m) {
-      _mm512_store_ps(y, tot[v][m]);
-      bf16* row = out + (m0 + m) * ldo + r0 + 16 * v;
-      for (int j = 0; j < 16 && 16 * v + j < rows; ++j) row[j] = to_bf16(y[j]);
-    }
+  for (int v = 0; v < 4; ++v) {
+    _mm512_store_ps(y, tot[v]);
+    bf16* row = out + m * ldo + r0 + 16 * v;
+    for (int j = 0; j < 16 && 16 * v + j < rows; ++j) row[j] = to_bf16(y[j]);
+  }
 }
 
 // The pack's last N % 64 rows (byte (k, j) = rows 2j | 2j + 1 << 4) laid out as a block, rows past them zero
@@ -247,25 +249,25 @@ const uint8_t* rest_as_block(const Form& f, int64_t full, std::vector<uint8_t>& 
   return buf.data();
 }
 
-template <int MB>
-void int4_rows(const Form& f, const Act& a, int64_t m0, int64_t r0, bf16* out, int64_t ldo) {
+// a 64-row block (or the rows after the last one) for every row of x
+void int4_rows(const Form& f, const Act& a, int64_t r0, bf16* out, int64_t ldo) {
   const int64_t full = f.N / 64 * 64;
-  if (r0 < full) return int4_block<MB>(f, a, m0, f.q4 + r0 * f.K / 2, r0, 64, out, ldo);
   thread_local std::vector<uint8_t> buf;
-  int4_block<MB>(f, a, m0, rest_as_block(f, full, buf), r0, static_cast<int>(f.N - full), out, ldo);
+  const uint8_t* base = r0 < full ? f.q4 + r0 * f.K / 2 : rest_as_block(f, full, buf);
+  const int rows = static_cast<int>(std::min<int64_t>(64, f.N - r0));
+  for (int64_t m = 0; m < a.M; ++m) int4_block(f, a, m, base, r0, rows, out, ldo);
 }
 
 // rows [n0, n1) of a projection for every row of x (int4: n0 and n1 on the pack's 64-row blocks, or N)
 void run_rows(const Proj& p, int64_t n0, int64_t n1) {
   const Act& a = *p.a;
+  if (p.f.int4) {
+    for (int64_t r = n0; r < n1; r += 64) int4_rows(p.f, a, r, p.out, p.ldo);
+    return;
+  }
   for (int64_t m0 = 0; m0 < a.M;) {
-    const int64_t mb = p.f.int4 ? std::min<int64_t>(2, a.M - m0) : std::min<int64_t>(4, a.M - m0);
-    if (p.f.int4) {
-      for (int64_t r = n0; r < n1; r += 64) {
-        if (mb == 2) int4_rows<2>(p.f, a, m0, r, p.out, p.ldo);
-        else int4_rows<1>(p.f, a, m0, r, p.out, p.ldo);
-      }
-    } else if (mb == 4) int8_span<4>(p.f, a, m0, n0, n1, p.out, p.ldo);
+    const int64_t mb = std::min<int64_t>(4, a.M - m0);
+    if (mb == 4) int8_span<4>(p.f, a, m0, n0, n1, p.out, p.ldo);
     else if (mb == 3) int8_span<3>(p.f, a, m0, n0, n1, p.out, p.ldo);
     else if (mb == 2) int8_span<2>(p.f, a, m0, n0, n1, p.out, p.ldo);
     else int8_span<1>(p.f, a, m0, n0, n1, p.out, p.ldo);
