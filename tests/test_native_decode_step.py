@@ -74,6 +74,21 @@ def test_combine_add_is_the_torch_sum_bit_for_bit(count: int, shared: bool) -> N
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_rms_norm_rows_is_within_a_bf16_rounding_of_the_torch_norm(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w = (torch.randn(rows, 1000, generator=g) * 3).bfloat16(), torch.randn(1000, generator=g).bfloat16()
+    ours, theirs = native.rms_norm_rows(x, w, 1e-6), rms_norm(x, w, 1e-6)
+    # the sum of squares in another order: an element may round to the neighbouring bf16 value, no further
+    assert (ours.float() - theirs.float()).abs().le(theirs.float().abs() * 2 ** -7).all()
+    assert (ours == theirs).float().mean() > 0.99
+    with pytest.raises(RuntimeError, match="norm weight"):
+        native.rms_norm_rows(x, w[:999], 1e-6)
+    with pytest.raises(RuntimeError, match="rows, hidden"):
+        native.rms_norm_rows(x[0], w, 1e-6)
+
+
+@needs_native
 @pytest.mark.parametrize("arch,budget", [("qwen3_moe", "25%"), ("qwen2_moe", "25%"), ("llama", "1MiB")])
 def test_engine_decode_steps_take_the_native_attention(arch: str, budget: str, checkpoint_factory,
                                                        monkeypatch) -> None:

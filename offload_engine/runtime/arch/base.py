@@ -88,8 +88,11 @@ class StandardOps:
         return embedding(w, "weight", tokens, self.dtype)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The architecture's RMSNorm (zero-centred variants override this)."""
-        return rms_norm(x, weight, self.s.rms_norm_eps)
+        """The architecture's RMSNorm (zero-centred variants override this); a decode step's rows by the native
+        kernel where it is on."""
+        kernels = decode_kernels.active.get()
+        out = kernels.rms_norm(x, weight, self.s.rms_norm_eps) if kernels is not None else None
+        return rms_norm(x, weight, self.s.rms_norm_eps) if out is None else out
 
     def logits(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return self.head_logits(w, self.final_norm(w, x))

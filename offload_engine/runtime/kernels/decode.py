@@ -54,6 +54,14 @@ class DecodeKernels:
             return None
         return self.module.linear(x.contiguous(), weight)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """layers.rms_norm of a decode step's few bf16 rows by one native call (within a bf16 rounding of torch's:
+        the sum of squares in another order), else None."""
+        if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2
+                or x.shape[0] > MAX_ROWS or x.device.type != "cpu"):
+            return None
+        return self.module.rms_norm_rows(x.contiguous(), weight.contiguous(), eps)
+
     def int_linear(self, x: torch.Tensor, w, name: str) -> torch.Tensor | None:
         """x @ W.T for weight `name` of unit `w` by the native int kernel where its form and shape chose it (its
         CPU int8 / int4 kernel form: int_experts.int_form), else None."""

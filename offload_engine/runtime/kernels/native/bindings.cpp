@@ -19,6 +19,7 @@ torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& k, const t
                          const std::optional<torch::Tensor>& q_norm, const std::optional<torch::Tensor>& k_norm,
                          double eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, int64_t start, double scale);
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor combine_add(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const std::optional<torch::Tensor>& shared);
 
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int_linear", &int_linear, "x [M, K] @ W^T for an int8 / int4 kernel form, bfloat16 out");
   m.def("experts_int", &experts_int, "routed experts' gated SiLU MLPs over int8 / int4 kernel forms, one call");
   m.def("attend_one", &attend_one, "one query's QK-norm, RoPE, cache write and GQA attention over the cache");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row of x [M, H], bfloat16, as layers.rms_norm rounds it");
   m.def("combine_add", &combine_add, "x + the experts' parts summed in the given order (+ shared), one row");
 }
