@@ -15,6 +15,7 @@ from ..errors import BudgetError, out_of_memory_as_error
 from .arch import build_ops
 from .arch.base import LayerOps
 from .kernels.decode import MAX_ROWS, DecodeKernels, using
+from .kernels.int_experts import IntExpert
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .host_compute import HostCompute, HostInputs
@@ -231,7 +232,7 @@ class CausalLM:
         try:
             for key, ew in units:
                 mats = self.ops.gated_silu(ew) if native is not None else None
-                if mats is not None and mats[0].device == h.device:
+                if mats is not None and (mats.down[0] if isinstance(mats, IntExpert) else mats[0]).device == h.device:
                     pending.append((key, mats))
                     if not grouping[0]:
                         flush()

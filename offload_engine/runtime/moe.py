@@ -77,7 +77,7 @@ def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch
         chosen = [i for i, (_, m) in enumerate(experts) if isinstance(m, IntExpert) == quantized]
         if not chosen:
             continue
-        mats = [m.forms() if quantized else m for m in (experts[i][1] for i in chosen)]
+        mats = [experts[i][1] for i in chosen]
         run = kernels.module.experts_int if quantized else kernels.module.experts
         ys = run([xs[i] for i in chosen], [m[0] for m in mats], [m[1] for m in mats], [m[2] for m in mats],
                  [ws[i] for i in chosen])

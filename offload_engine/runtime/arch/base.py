@@ -16,9 +16,10 @@ from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
 from ..kernels.int_experts import IntExpert, int_expert
 from ..kernels import decode as decode_kernels
-from ..kernels.select import fast_linear
+from ..kernels.select import W, fast_linear
 from ..linear import dense, embedding, is_quantized, linear
 from ..moe import softmax_topk
+from ..per_fill import PerFill
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -70,6 +71,7 @@ class StandardOps:
         self.act = activation(self.s.hidden_act)
         self.rotary = Rotary(self.s.rope, self.s.head_dim, self.s.max_position_embeddings, device)
         self.dtype = dtype
+        self._expert_forms: PerFill = PerFill()  # gated_silu's answer per expert unit fill
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Every layer's cache entry for one position (what the KV cache stores)."""
@@ -197,9 +199,13 @@ class StandardOps:
     def gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | IntExpert | None:
         """A routed expert's plain (gate, up, down), or its int8 / int4 kernel forms (IntExpert), where `expert`
         computes it as down(silu(gate x) * up x): what the native grouped kernels take (runtime/kernels/decode.py);
-        None for other quantized units or another activation."""
+        None for other quantized units or another activation. Computed once per fill of the unit's slot."""
         if self.s.hidden_act not in ("silu", "swish"):
             return None
+        anchor = w.get("down", w.get("down" + W))
+        return None if anchor is None else self._expert_forms.get(anchor, lambda: self._gated_silu(w))
+
+    def _gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | IntExpert | None:
         if "down" not in w:
             return int_expert(w)
         if "gate_up" in w:

@@ -20,24 +20,11 @@ from .select import S, T, W
 
 
 class IntExpert(NamedTuple):
-    """A routed expert's int8 / int4 kernel forms, each projection as (weight, scale, zero term or None); up_*
-    None where gate_* is the fused gate_up form (2I rows: gate, then up)."""
-    gate_w: torch.Tensor
-    gate_s: torch.Tensor
-    gate_t: torch.Tensor | None
-    up_w: torch.Tensor | None
-    up_s: torch.Tensor | None
-    up_t: torch.Tensor | None
-    down_w: torch.Tensor
-    down_s: torch.Tensor
-    down_t: torch.Tensor | None
-
-    def forms(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """gate, up, down as the kernel takes them: [weight, scale(, zero term)]; up [] when fused."""
-        def form(w, s, t):
-            return [] if w is None else [w, s] + ([] if t is None else [t])
-        return (form(self.gate_w, self.gate_s, self.gate_t), form(self.up_w, self.up_s, self.up_t),
-                form(self.down_w, self.down_s, self.down_t))
+    """A routed expert's int8 / int4 kernel forms as the native kernel takes them: gate, up and down, each
+    [weight, scale(, zero term)]; up [] where gate is the fused gate_up form (2I rows: gate, then up)."""
+    gate: list[torch.Tensor]
+    up: list[torch.Tensor]
+    down: list[torch.Tensor]
 
 
 def int_form(w: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -51,14 +38,16 @@ def int_form(w: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, to
 def int_expert(w: Mapping[str, torch.Tensor]) -> IntExpert | None:
     """The unit's gate/up (or gate_up) and down as int kernel forms, or None where one of them has none (plain,
     dequantized, or a form the kernel does not read)."""
+    def listed(form):
+        return [t for t in form if t is not None]
     down = int_form(w, "down")
     if down is None:
         return None
     fused = int_form(w, "gate_up")
     if fused is not None:
-        return IntExpert(*fused, None, None, None, *down)
+        return IntExpert(listed(fused), [], listed(down))
     gate, up = int_form(w, "gate"), int_form(w, "up")
-    return None if gate is None or up is None else IntExpert(*gate, *up, *down)
+    return None if gate is None or up is None else IntExpert(listed(gate), listed(up), listed(down))
 
 
 def form_key(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tuple[str, int, int]:
