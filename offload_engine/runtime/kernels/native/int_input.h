@@ -2,6 +2,8 @@
 // two int8 digits (int_cpu.cpp's header says why and how they are multiplied).
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +31,7 @@ struct Act {  // a projection's input as two int8 digits per block of 32, and th
 
 // x (bf16 rows, ldx apart) per block of 32: q = rne(x * inv) with inv = 127 / amax, then the rest x - q * amax / 127
 // as r = rne(rest * 16 inv) in -8..8, so x^ = (16 q + r) * scale with scale = amax / (127 * 16) (rne: round to
-// nearest even)
+// nearest even; the block's 32 values as two vectors of 16, the tail masked)
 inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
   a.M = M, a.K = K, a.G = G, a.source = x, a.ldx = ldx;
   a.Kp = (K + kChunk - 1) / kChunk * kChunk;
@@ -38,23 +40,32 @@ inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, in
   a.lanes.assign(M * a.Kp / kChunk * 16, 0.0f);
   a.sums.assign(M * G, 0.0f);
   const int64_t g = K / G;
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
-      const int64_t k1 = std::min(K, k0 + kBlock);
-      float amax = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(to_float(x[m * ldx + k])));
+      const int64_t n = std::min(K - k0, kBlock);
+      const __mmask16 mask[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
+                                 static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0)};
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h)  // bf16 -> fp32: the bits shifted up (exact)
+        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(mask[h], x + m * ldx + k0 + 16 * h)), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, step = amax / 127.0f, scale = step / 16.0f;
-      int32_t qsum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float v = to_float(x[m * ldx + k]);
-        const float q = std::nearbyint(v * inv), r = std::nearbyint((v - q * step) * (inv * 16.0f));
-        a.q[m * a.Kp + k] = static_cast<int8_t>(q);
-        a.r[m * a.Kp + k] = static_cast<int8_t>(r);
-        qsum += 16 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
+      __m512i total = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)), kRound);
+        const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(q, _mm512_set1_ps(step)));
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(inv * 16.0f)), kRound);
+        const __m512i qi = _mm512_cvtps_epi32(q), ri = _mm512_cvtps_epi32(r);  // exact: whole numbers
+        _mm_mask_storeu_epi8(a.q.data() + m * a.Kp + k0 + 16 * h, mask[h], _mm512_cvtepi32_epi8(qi));
+        _mm_mask_storeu_epi8(a.r.data() + m * a.Kp + k0 + 16 * h, mask[h], _mm512_cvtepi32_epi8(ri));
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(qi, 4), ri));
       }
       float* lanes = a.lanes.data() + (m * (a.Kp / kChunk) + k0 / kChunk) * 16 + (k0 % kChunk) / kBlock * 8;
       std::fill(lanes, lanes + 8, scale);
-      a.sums[m * G + k0 / g] += static_cast<float>(qsum) * scale;  // blocks nest in groups (int4: g % 32 == 0)
+      // blocks nest in groups (int4: g % 32 == 0); masked lanes are 0 (loads zeroed them)
+      a.sums[m * G + k0 / g] += static_cast<float>(_mm512_reduce_add_epi32(total)) * scale;
     }
 }
 
