@@ -127,6 +127,16 @@ def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
         torch.set_num_threads(before)
 
 
+def test_int_linears_are_each_int_linear_bit_for_bit() -> None:
+    """One call for an attention's q, k and v (x quantized once per group size): each the bits alone."""
+    g = torch.Generator().manual_seed(5)
+    forms = [int8_form(64, 128, g), int4_form(64, 128, g), int8_form(48, 128, g, term=True), int4_form(16, 128, g, 64)]
+    for rows in (1, 3):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        together = native.int_linears(x, forms)
+        assert all(torch.equal(y, native.int_linear(x, f)) for y, f in zip(together, forms))
+
+
 def test_bad_input_is_refused_by_name() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64).bfloat16()

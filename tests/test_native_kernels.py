@@ -126,3 +126,16 @@ def test_rms_norm_equals_the_spelled_out_form(dtype, shape) -> None:
     h = x.to(torch.float32)
     spelled = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert torch.equal(rms_norm(x, w, 1e-6), spelled)
+
+
+@needs_native
+def test_linears_are_each_linear_bit_for_bit() -> None:
+    """One call for an attention's q, k and v (kernels/decode.py DecodeKernels.linears): each the bits alone."""
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, 96, generator=g).bfloat16() for n in (64, 16, 16, 40)]
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        together = native.linears(x, weights)
+        assert all(torch.equal(y, native.linear(x, w)) for y, w in zip(together, weights))
+    with pytest.raises(RuntimeError, match="weight 1"):
+        native.linears(x, [weights[0], torch.randn(8, 95).bfloat16()])

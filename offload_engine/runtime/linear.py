@@ -103,3 +103,14 @@ def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> t
         return F.linear(x, dense(w, name, x.dtype) if plain is None else plain, None if bias is None else w.get(bias))
     b = None if bias is None else w.get(bias)
     return y if b is None else y + b
+
+
+def linears(x: torch.Tensor, w: Weights, names: list[str], biases: list[str | None]) -> list[torch.Tensor]:
+    """linear() of one input by several weights of the unit (an attention's q, k and v): one native call where
+    they all take the same native kernel (kernels/decode.py DecodeKernels.linears), the same bits as one by one."""
+    kernels = decode_kernels.active.get()
+    ys = kernels.linears(x, w, names) if kernels is not None else None
+    if ys is None:
+        return [linear(x, w, name, bias) for name, bias in zip(names, biases)]
+    added = [None if bias is None else w.get(bias) for bias in biases]
+    return [y if b is None else y + b for y, b in zip(ys, added)]

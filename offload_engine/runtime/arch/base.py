@@ -17,7 +17,7 @@ from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms
 from ..kernels.int_experts import IntExpert, int_expert
 from ..kernels import decode as decode_kernels
 from ..kernels.select import W, fast_linear
-from ..linear import dense, embedding, is_quantized, linear
+from ..linear import dense, embedding, is_quantized, linear, linears
 from ..moe import softmax_topk
 from ..per_fill import PerFill
 
@@ -63,6 +63,10 @@ def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
         gate, up = fused.chunk(2, dim=-1)
         return linear(act(gate) * up, w, "down")
     return mlp(w, x, "", act)
+
+
+QKV_WEIGHTS = [f"self_attn.{p}_proj.weight" for p in "qkv"]
+QKV_BIASES = [f"self_attn.{p}_proj.bias" for p in "qkv"]
 
 
 class StandardOps:
@@ -148,9 +152,7 @@ class StandardOps:
         buffers = cache.plain_buffers(layer, x.dtype)
         if buffers is None or int(positions[0]) != cache.length:
             return None
-        q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias")
-        k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias")
-        v = linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias")
+        q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]) if self.a.qk_norm else (None, None)
         return kernels.module.attend_one(q.contiguous(), k.contiguous(), v.contiguous(), *norms, s.rms_norm_eps,

@@ -54,6 +54,23 @@ class DecodeKernels:
             return None
         return self.module.linear(x.contiguous(), weight)
 
+    def linears(self, x: torch.Tensor, w, names: list[str]) -> list[torch.Tensor] | None:
+        """[x @ W.T for each weight in `names`] of unit `w` in one native call, where all of them take one native
+        kernel (plain bf16, or int8 / int4 forms), else None. Each result is the same bits as alone."""
+        if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+            return None
+        plain = [w.get(name) for name in names]
+        if all(p is not None for p in plain):
+            if all(p.dtype is torch.bfloat16 and p.stride(1) == 1 and tuple(p.shape) in self.native for p in plain):
+                return self.module.linears(x.contiguous(), plain)
+            return None
+        if not self.native_int:
+            return None
+        forms = [int_experts.int_form(w, name) for name in names]
+        if any(f is None or int_experts.form_key(f) not in self.native_int for f in forms):
+            return None
+        return self.module.int_linears(x.contiguous(), [[t for t in f if t is not None] for f in forms])
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """layers.rms_norm of a decode step's few bf16 rows by one native call (within a bf16 rounding of torch's:
         the sum of squares in another order), else None."""

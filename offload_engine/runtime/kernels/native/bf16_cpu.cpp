@@ -119,6 +119,31 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W) {
   return out;
 }
 
+// x [M, K] @ W_i[N_i, K]^T for several weights of one input (an attention's q, k and v) in one parallel region:
+// each output is linear()'s, bit for bit
+std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<torch::Tensor>& Ws) {
+  check_bf16(x, "x");
+  const int64_t P = static_cast<int64_t>(Ws.size()), M = x.size(0), K = x.size(1);
+  std::vector<torch::Tensor> out(P);
+  std::vector<int64_t> first(P + 1, 0);
+  for (int64_t i = 0; i < P; ++i) {
+    check_bf16(Ws[i], "weight");
+    TORCH_CHECK(Ws[i].size(1) == K, "x has ", K, " columns, weight ", i, " ", Ws[i].size(1));
+    out[i] = torch::empty({M, Ws[i].size(0)}, x.options());
+    first[i + 1] = first[i] + Ws[i].size(0);
+  }
+  at::parallel_for(0, first[P], kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = 0; i < P && r0 < r1; ++i) {
+      const int64_t a = std::max(r0, first[i]), b = std::min(r1, first[i + 1]);
+      if (a >= b) continue;
+      const auto& W = Ws[i];
+      gemv_block(ptr(W), W.stride(0), ptr(x), x.stride(0), M, K, reinterpret_cast<bf16*>(out[i].data_ptr()),
+                 W.size(0), a - first[i], b - first[i]);
+    }
+  });
+  return out;
+}
+
 // Routed experts with a gated SiLU MLP, as runtime/arch/base.expert_forward computes them in bf16 with the same
 // roundings (each product rounded to bf16, silu(g) rounded, then g*u rounded, the down product rounded, then the
 // routing weight applied and rounded): parts[e] = w_e * down_e(silu(gate_e x_e) * (up_e x_e)).

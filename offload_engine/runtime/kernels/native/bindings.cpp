@@ -8,7 +8,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W);
 std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
                                    const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                                    const std::vector<torch::Tensor>& weights);
+std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<torch::Tensor>& Ws);
 torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts);
+std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& forms);
 std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
                                        const std::vector<std::vector<torch::Tensor>>& gates,
                                        const std::vector<std::vector<torch::Tensor>>& ups,
@@ -26,6 +28,8 @@ torch::Tensor combine_add(const torch::Tensor& x, const std::vector<torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W[N, K]^T in bfloat16 with fp32 accumulation");
   m.def("experts", &experts, "routed experts' gated SiLU MLPs, one call per layer");
+  m.def("linears", &linears, "linear for several weights of one input, one parallel region");
+  m.def("int_linears", &int_linears, "int_linear for several weights of one input, x quantized once");
   m.def("int_linear", &int_linear, "x [M, K] @ W^T for an int8 / int4 kernel form, bfloat16 out");
   m.def("experts_int", &experts_int, "routed experts' gated SiLU MLPs over int8 / int4 kernel forms, one call");
   m.def("attend_one", &attend_one, "one query's QK-norm, RoPE, cache write and GQA attention over the cache");

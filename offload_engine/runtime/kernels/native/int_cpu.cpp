@@ -301,15 +301,33 @@ void check_x(const torch::Tensor& x, int64_t K, const char* what) {
 
 }  // namespace
 
+// x [M, K] @ W_i.T for several int8 / int4 kernel forms of one input (an attention's q, k and v): x quantized once
+// per group size, one parallel region; each output the same bits as alone
+std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& forms) {
+  const int64_t P = static_cast<int64_t>(forms.size());
+  std::vector<Act> acts(P);
+  std::vector<torch::Tensor> out(P);
+  std::vector<Proj> projs;
+  for (int64_t i = 0; i < P; ++i) {
+    const Form f = form_of(forms[i], "weight", i);
+    check_x(x, f.K, "x");
+    const Act* a = nullptr;
+    for (int64_t j = 0; j < i && a == nullptr; ++j)
+      if (acts[j].G == f.G && acts[j].K == f.K) a = &acts[j];
+    if (a == nullptr) {
+      prepare(acts[i], data<bf16>(x), x.stride(0), x.size(0), f.K, f.G);
+      a = &acts[i];
+    }
+    out[i] = torch::empty({x.size(0), f.N}, x.options());
+    projs.push_back({f, a, reinterpret_cast<bf16*>(out[i].data_ptr()), f.N});
+  }
+  run_all(projs);
+  return out;
+}
+
 // x [M, K] @ W.T for an int8 or int4 kernel form (parts: [weight, scale] or [weight, scale, zero term]) -> bf16
 torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts) {
-  const Form f = form_of(parts, "weight", 0);
-  check_x(x, f.K, "x");
-  auto out = torch::empty({x.size(0), f.N}, x.options());
-  Act a;
-  prepare(a, data<bf16>(x), x.stride(0), x.size(0), f.K, f.G);
-  run_all({Proj{f, &a, reinterpret_cast<bf16*>(out.data_ptr()), f.N}});
-  return out;
+  return int_linears(x, {parts})[0];
 }
 
 // Routed experts with a gated SiLU MLP whose projections are int8 / int4 kernel forms, rounded as
