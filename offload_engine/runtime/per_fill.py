@@ -17,8 +17,9 @@ V = TypeVar("V")
 
 class PerFill(Generic[V]):
     """get(anchor, make): make() once per live anchor tensor. Keyed by the anchor's id and checked by a weak
-    reference (an id is reused once its tensor is gone); at most `limit` entries, the table cleared when full
-    (streamed units bring new views at every fill)."""
+    reference (an id is reused once its tensor is gone). A value may hold its anchor (a kernel tuple holds the
+    views), which then lives until the table is cleared: at most `limit` entries (a few KB each: views, no
+    weight bytes), the table cleared when full (streamed units bring new views at every fill)."""
 
     def __init__(self, limit: int = 8192):
         self._items: dict[int, tuple[weakref.ref, V]] = {}
