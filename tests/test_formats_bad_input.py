@@ -117,9 +117,8 @@ def test_gptq_g_idx_out_of_range_is_refused_where_the_data_lands(quantized, tmp_
         t[Q + ".g_idx"][3] = 99
     path = variant(quantized["gptq"], tmp_path / "v", edit)
     open_model(path)  # the headers are fine: g_idx is data
-    with pytest.raises(CheckpointFormatError) as err:  # at open: the loaded units' kernel forms are built there
-        with Engine.open(path, dtype="float32") as engine:
-            engine.logits([1, 2, 3])
+    with Engine.open(path, dtype="float32") as engine, pytest.raises(CheckpointFormatError) as err:
+        engine.logits([1, 2, 3])
     assert err.value.tensor == Q + ".g_idx" and "model.safetensors" in err.value.path
     assert "99" in str(err.value)
 
