@@ -102,8 +102,6 @@ class TieredStore:
             self.row_reader = RowReader(checkpoint, placement, self.compute, self.host, dtype, self.row_caches,
                                         self.io, self.pool, self._wait_any, self._lock, self.stats)
             self.filler.load_pinned(self.tiers, self.pool, stall_timeout, progress)
-            if self.prepared is not None:
-                self.prepared.build_loaded(self.compute, checkpoint.layouts, dtype, progress)
         except BaseException:
             finish_despite_interrupts(self.close)
             raise

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from ..checkpoint.formats import keeps_stored_dtype
 from ..checkpoint.layout import UnitLayout
@@ -143,16 +142,6 @@ class Prepared:
             self.in_place += carver is not None
         kept = {k: v for k, v in views.items() if k not in built.replaced}  # overwritten: no longer the stored form
         return {**kept, **built.tensors}
-
-    def build_loaded(self, tier: "Tier", layouts: dict[UnitKey, UnitLayout], dtype: torch.dtype,
-                     progress: bool) -> None:
-        """Build the forms of every unit `tier` holds now (at open, once its pinned units are loaded), as
-        llama.cpp repacks at load, rather than at each unit's first use: otherwise a decode step pays the repack
-        of each expert it meets for the first time (~0.3 ms per int8 expert on the bench model, a third of a
-        step's time over the first 32 tokens)."""
-        slots = [slot for slot in tier.resident.values() if slot.loading is None and slot.kind not in ROW_KINDS]
-        for slot in tqdm(slots, desc="kernel forms", unit="unit", disable=not progress or not slots):
-            slot.weights(layouts[slot.key], dtype, self)
 
     def drop(self, slot: Slot) -> None:
         if slot.prepared_bytes:
