@@ -47,47 +47,55 @@ class DecodeKernels:
     timings: dict[str, dict[str, float]]  # shape -> {"torch_us": .., "native_us": ..}
     native_int: frozenset[tuple[str, int, int]] = frozenset()  # (form, out, in) of int weights native_int takes
 
+    def _rows_fit(self, x: torch.Tensor) -> bool:
+        """x is a decode step's few bf16 rows, what every native kernel takes."""
+        return x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+    def _plain_chosen(self, weight: torch.Tensor) -> bool:
+        return (weight.dtype is torch.bfloat16 and weight.stride(1) == 1
+                and tuple(weight.shape) in self.native)
+
+    def _int_parts(self, w, name: str) -> list[torch.Tensor] | None:
+        """Weight `name`'s int8 / int4 kernel form as the native kernel takes it, where its form and shape chose
+        the native kernel; else None."""
+        form = int_experts.int_form(w, name)
+        if form is None or int_experts.form_key(form) not in self.native_int:
+            return None
+        return int_experts.kernel_parts(form)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """x @ weight.T by the native kernel where it was chosen for this shape, else None."""
-        if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2
-                or x.shape[0] > MAX_ROWS or tuple(weight.shape) not in self.native or weight.stride(1) != 1):
+        if not self._rows_fit(x) or not self._plain_chosen(weight):
             return None
         return self.module.linear(x.contiguous(), weight)
 
     def linears(self, x: torch.Tensor, w, names: list[str]) -> list[torch.Tensor] | None:
         """[x @ W.T for each weight in `names`] of unit `w` in one native call, where all of them take one native
         kernel (plain bf16, or int8 / int4 forms), else None. Each result is the same bits as alone."""
-        if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        if not self._rows_fit(x):
             return None
         plain = [w.get(name) for name in names]
         if all(p is not None for p in plain):
-            if all(p.dtype is torch.bfloat16 and p.stride(1) == 1 and tuple(p.shape) in self.native for p in plain):
-                return self.module.linears(x.contiguous(), plain)
-            return None
+            return self.module.linears(x.contiguous(), plain) if all(map(self._plain_chosen, plain)) else None
         if not self.native_int:
             return None
-        forms = [int_experts.int_form(w, name) for name in names]
-        if any(f is None or int_experts.form_key(f) not in self.native_int for f in forms):
-            return None
-        return self.module.int_linears(x.contiguous(), [[t for t in f if t is not None] for f in forms])
+        forms = [self._int_parts(w, name) for name in names]
+        return None if None in forms else self.module.int_linears(x.contiguous(), forms)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """layers.rms_norm of a decode step's few bf16 rows by one native call (within a bf16 rounding of torch's:
         the sum of squares in another order), else None."""
-        if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2
-                or x.shape[0] > MAX_ROWS or x.device.type != "cpu"):
+        if not self._rows_fit(x) or weight.dtype is not torch.bfloat16 or x.device.type != "cpu":
             return None
         return self.module.rms_norm_rows(x.contiguous(), weight.contiguous(), eps)
 
     def int_linear(self, x: torch.Tensor, w, name: str) -> torch.Tensor | None:
         """x @ W.T for weight `name` of unit `w` by the native int kernel where its form and shape chose it (its
         CPU int8 / int4 kernel form: int_experts.int_form), else None."""
-        if not self.native_int or x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        if not self.native_int or not self._rows_fit(x):
             return None
-        form = int_experts.int_form(w, name)
-        if form is None or int_experts.form_key(form) not in self.native_int:
-            return None
-        return self.module.int_linear(x.contiguous(), [t for t in form if t is not None])
+        parts = self._int_parts(w, name)
+        return None if parts is None else self.module.int_linear(x.contiguous(), parts)
 
     def describe(self) -> dict:
         return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native),

@@ -35,19 +35,24 @@ def int_form(w: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, to
     return q, s, w.get(name + T)
 
 
+def kernel_parts(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+    """An int_form as the native kernel takes it: [weight, scale(, zero term)]."""
+    return [t for t in form if t is not None]
+
+
 def int_expert(w: Mapping[str, torch.Tensor]) -> IntExpert | None:
     """The unit's gate/up (or gate_up) and down as int kernel forms, or None where one of them has none (plain,
     dequantized, or a form the kernel does not read)."""
-    def listed(form):
-        return [t for t in form if t is not None]
     down = int_form(w, "down")
     if down is None:
         return None
     fused = int_form(w, "gate_up")
     if fused is not None:
-        return IntExpert(listed(fused), [], listed(down))
+        return IntExpert(kernel_parts(fused), [], kernel_parts(down))
     gate, up = int_form(w, "gate"), int_form(w, "up")
-    return None if gate is None or up is None else IntExpert(listed(gate), listed(up), listed(down))
+    if gate is None or up is None:
+        return None
+    return IntExpert(kernel_parts(gate), kernel_parts(up), kernel_parts(down))
 
 
 def form_key(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tuple[str, int, int]:
