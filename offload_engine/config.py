@@ -62,8 +62,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
     """Compute dtype, unless asked: bfloat16 on CUDA; on a CPU the checkpoint's own (`stored`, config.json's
-    dtype) where it is bfloat16 and the CPU multiplies bfloat16 natively (oneDNN's AVX512-BF16 / AMX path: 4-5x
-    the float32 decode speed on such a checkpoint, docs/PERF.md), else float32 (what the parity tests use)."""
+    dtype) where it is bfloat16 and the CPU multiplies bfloat16 well (cpu_computes_bf16: 4-5x the float32 decode
+    speed on such a checkpoint, docs/PERF.md), else float32 (what the parity tests use)."""
     if dtype is None:
         if device.type == "cuda" or (stored == "bfloat16" and cpu_computes_bf16()):
             return torch.bfloat16
@@ -79,11 +79,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored:
 
 
 def cpu_computes_bf16() -> bool:
-    """Whether this CPU has native bfloat16 matmuls (without them torch converts, slower than float32)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether this CPU multiplies bfloat16 well: torch natively (oneDNN's AVX512-BF16 / AMX), or the engine's own
+    kernels (AVX2 and up: runtime/kernels/native_build.py, built on first use, which prefill takes too where torch
+    lacks the former). Without either, torch converts: slower than float32."""
+    from .runtime.kernels import native_build  # (the runtime imports this module)
+
+    return native_build.torch_multiplies_bf16() or native_build.load() is not None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -23,6 +23,7 @@ dequantizes.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -101,21 +102,35 @@ def pair_bytes(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
-def int4_pack_bytes(b: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def int4_block_rows() -> int:
+    """Rows per block of torch's CPU int4 pack on this machine: 64 where its kernel runs AVX-512, 32 with AVX2 (or
+    without either). Probed once with torch's own converter, the layout's one authority."""
+    q = torch.randint(0, 16, (64, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    for rows in (64, 32):
+        if torch.equal(int4_nibbles(packed, 64, 64, rows).to(torch.int32), q):
+            return rows
+    raise RuntimeError("torch's CPU int4 pack has a layout this engine does not know (torch "
+                       f"{torch.__version__}): expected blocks of 64 or 32 rows")
+
+
+def int4_pack_bytes(b: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """torch._convert_weight_to_int4pack_for_cpu(q, 1) from q's bytes b (uint8 [N, K/2], value 2j low and 2j + 1
     high: compressed-tensors' words as they lie), bit for bit, in uint8 arithmetic without unpacking (several
     times faster than torch's, which takes int32 [N, K]: a unit is repacked each time a read lands it).
-    Layout (int4_nibbles reads it back): rows in blocks of 64, byte (k, i) of a block = rows i | i + 32 << 4;
-    the last N % 64 rows as byte (k, j) = rows 2j | 2j + 1 << 4."""
+    Layout (int4_nibbles reads it back): rows in blocks of B = int4_block_rows(), byte (k, i) of a block = rows
+    i | i + B/2 << 4; the last N % B rows as byte (k, j) = rows 2j | 2j + 1 << 4."""
     n, half = b.shape
-    full = n // 64 * 64
+    rows = block or int4_block_rows()
+    full = n // rows * rows
 
     def merged(lo_rows: torch.Tensor, hi_rows: torch.Tensor) -> torch.Tensor:
         """The even inputs' bytes, then the odd inputs' (low nibble from lo_rows, high from hi_rows)."""
         return torch.stack(((lo_rows & 15) | (hi_rows << 4), (lo_rows >> 4) | (hi_rows & 0xF0)))
 
-    blocks = b[:full].view(n // 64, 2, 32, half)
-    head = merged(blocks[:, 0], blocks[:, 1]).permute(1, 3, 0, 2).contiguous()  # [N/64, K/2, 2, 32]
+    blocks = b[:full].view(n // rows, 2, rows // 2, half)
+    head = merged(blocks[:, 0], blocks[:, 1]).permute(1, 3, 0, 2).contiguous()  # [N/B, K/2, 2, B/2]
     if full == n:
         return head.view(n, half)
     pairs = b[full:].view((n - full) // 2, 2, half)
@@ -165,12 +180,14 @@ def int8_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, term: torch.Tenso
     return y.reshape(*lead, -1)
 
 
-def int4_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The [N, K] values (0..15) of torch's CPU int4 pack: rows in blocks of 64, byte (k, i) of a block holding
-    rows i (low nibble) and i + 32 (high); the last N % 64 rows as byte (k, j) = rows 2j (low), 2j + 1 (high)."""
+def int4_nibbles(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+    """The [N, K] values (0..15) of torch's CPU int4 pack: rows in blocks of B (int4_block_rows()), byte (k, i) of
+    a block holding rows i (low nibble) and i + B/2 (high); the last N % B rows as byte (k, j) = rows 2j (low),
+    2j + 1 (high)."""
+    rows = block or int4_block_rows()
     b = packed.reshape(-1)
-    full = n // 64 * 64
-    blk = b[:full * k // 2].view(n // 64, k, 32)
+    full = n // rows * rows
+    blk = b[:full * k // 2].view(n // rows, k, rows // 2)
     head = torch.cat((blk & 15, blk >> 4), dim=2).permute(0, 2, 1).reshape(full, k)
     rest = b[full * k // 2:].view(k, (n - full) // 2)
     tail = torch.stack((rest & 15, rest >> 4), dim=2).reshape(k, n - full).t()

@@ -33,9 +33,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import int_experts, native_build
+from . import cpu_int, int_experts, native_build
 
 MAX_ROWS = 16  # rows of x the native kernels take (more: torch's matmul, which blocks for them)
+ANY_ROWS = 1 << 62  # the plain bf16 linear where torch has no native bf16 matmul (prefill too: ~5x torch's there)
 ROUNDS, REPEATS, COPIES_BYTES = 5, 4, 32 << 20  # per shape: ~1-3 ms of timing each way
 
 
@@ -46,10 +47,11 @@ class DecodeKernels:
     experts: bool  # routed experts through native `experts` / `experts_int` (chosen against torch's per-expert path)
     timings: dict[str, dict[str, float]]  # shape -> {"torch_us": .., "native_us": ..}
     native_int: frozenset[tuple[str, int, int]] = frozenset()  # (form, out, in) of int weights native_int takes
+    plain_rows: int = MAX_ROWS  # the most rows of x the plain linear takes (ANY_ROWS: torch multiplies bf16 slowly)
 
-    def _rows_fit(self, x: torch.Tensor) -> bool:
-        """x is a decode step's few bf16 rows, what every native kernel takes."""
-        return x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+    def _rows_fit(self, x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
+        """x is a decode step's few bf16 rows, what every native kernel takes (`limit`: how many)."""
+        return x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= limit
 
     def _plain_chosen(self, weight: torch.Tensor) -> bool:
         return (weight.dtype is torch.bfloat16 and weight.stride(1) == 1
@@ -64,20 +66,22 @@ class DecodeKernels:
         return int_experts.kernel_parts(form)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """x @ weight.T by the native kernel where it was chosen for this shape, else None."""
-        if not self._rows_fit(x) or not self._plain_chosen(weight):
+        """x @ weight.T by the native kernel where it was chosen for this shape, else None (x [..., in]: the
+        leading dimensions of a prefill's rows where plain_rows takes them)."""
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
+        if not self._rows_fit(x2, self.plain_rows) or not self._plain_chosen(weight):
             return None
-        return self.module.linear(x.contiguous(), weight)
+        return self.module.linear(x2.contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
 
     def linears(self, x: torch.Tensor, w, names: list[str]) -> list[torch.Tensor] | None:
         """[x @ W.T for each weight in `names`] of unit `w` in one native call, where all of them take one native
         kernel (plain bf16, or int8 / int4 forms), else None. Each result is the same bits as alone."""
-        if not self._rows_fit(x):
+        if not self._rows_fit(x, self.plain_rows):
             return None
         plain = [w.get(name) for name in names]
         if all(p is not None for p in plain):
             return self.module.linears(x.contiguous(), plain) if all(map(self._plain_chosen, plain)) else None
-        if not self.native_int:
+        if not self.native_int or not self._rows_fit(x):
             return None
         forms = [self._int_parts(w, name) for name in names]
         return None if None in forms else self.module.int_linears(x.contiguous(), forms)
@@ -100,7 +104,8 @@ class DecodeKernels:
     def describe(self) -> dict:
         return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native),
                 "native_int_linear": sorted("%s:%dx%d" % key for key in self.native_int),
-                "native_experts": self.experts, "timings_us": self.timings}
+                "native_experts": self.experts, "timings_us": self.timings, "isa": native_build.isa(),
+                "native_linear_rows": "any" if self.plain_rows >= ANY_ROWS else self.plain_rows}
 
 
 active: contextvars.ContextVar[DecodeKernels | None] = contextvars.ContextVar("decode_kernels", default=None)
@@ -202,9 +207,13 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
     module = native_build.load() if native_build.supported() is None else None
     if module is None:
         return None
+    if module.int4_block_rows() != cpu_int.int4_block_rows():  # the build reads another int4 pack than torch's
+        int_shape = None if int_shape is not None and int_shape[0].startswith("int4") else int_shape  # (a forced ISA)
+        int_linears = [key for key in int_linears if not key[0].startswith("int4")]
+    rows = MAX_ROWS if native_build.torch_multiplies_bf16() else ANY_ROWS
     if os.environ.get("OFFLOAD_ENGINE_NATIVE") == "all":  # every shape native, nothing measured (tests, A/B runs)
         return DecodeKernels(module, frozenset(linear_shapes), experts is not None or int_shape is not None, {},
-                             frozenset(int_linears))
+                             frozenset(int_linears), rows)
     path = _cache_file()
     try:
         stored = json.loads(path.read_text())
@@ -236,7 +245,7 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
     faster = {key for key, t in timings.items() if t["native_us"] < t["torch_us"]}
     native = frozenset((int(a), int(b)) for a, b in (key.split("x") for key in faster if ":" not in key))
     native_int = frozenset(key for key in set(int_linears) if "%s:%dx%d" % key in faster)
-    return DecodeKernels(module, native, any(key.startswith("experts") for key in faster), timings, native_int)
+    return DecodeKernels(module, native, any(key.startswith("experts") for key in faster), timings, native_int, rows)
 
 
 def plain_float_shapes(layouts: Iterable) -> set[tuple[int, int]]:

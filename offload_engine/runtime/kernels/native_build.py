@@ -1,12 +1,18 @@
 """The engine's own CPU kernels (native/bf16_cpu.cpp: bfloat16 weights; native/int_cpu.cpp: int8 / int4 kernel
 forms; one extension): built once per machine with torch's C++ extension builder, cached, loaded on first use;
-absent where they cannot be (no AVX512-BF16, no C++ compiler), and then the runtime keeps torch's kernels.
+absent where they cannot be (no AVX2 / FMA, no C++ compiler), and then the runtime keeps torch's kernels.
+
+Two instruction sets, the best the CPU has (`isa()`): "avx512" (AVX512-BF16, VNNI and VBMI: Sapphire Rapids, Zen 4
+and later) and "avx2" (AVX2, FMA and F16C: Haswell, Zen 1-3 and the client CPUs without AVX-512). The sources
+pick their inner loops by the compiler's macros (native/*_avx512.h, native/*_avx2.h); everything around them is one
+code. A result's bits depend on the instruction set (the sums are formed differently), never on threads or
+grouping. OFFLOAD_ENGINE_NATIVE_ISA=avx2 builds the AVX2 kernels on an AVX-512 CPU (to test them there).
 
 The build lands in $OFFLOAD_ENGINE_CACHE (default ~/.cache/offload-engine)/kernels/<torch>-<source hash>/, so a
-new torch or a changed source rebuilds and concurrent processes share one build (torch's builder locks the
-folder). The first build takes ~1-2 min on 2 cores and is announced on stderr. OFFLOAD_ENGINE_NATIVE=0 turns the
-kernels off, =all takes them for every shape unmeasured (kernels/decode.py); the torch paths are always kept:
-prefill and the parity tests' float32 never use these.
+new torch, another instruction set or a changed source rebuilds and concurrent processes share one build
+(torch's builder locks the folder). The first build takes ~1-2 min on 2 cores and is announced on stderr.
+OFFLOAD_ENGINE_NATIVE=0 turns the kernels off, =all takes them for every shape unmeasured (kernels/decode.py);
+the torch paths are always kept: prefill and the parity tests' float32 never use these.
 """
 from __future__ import annotations
 
@@ -24,15 +30,22 @@ import torch
 log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decode_cpu.cpp", "bindings.cpp"))
-HEADERS = (NATIVE / "bf16_util.h", NATIVE / "int_input.h")
+HEADERS = tuple(NATIVE / name for name in ("bf16_util.h", "int_input.h", "bf16_dot_avx512.h", "bf16_dot_avx2.h",
+                                           "int_avx512.h", "int_avx2.h"))
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
-         "-mavx512vbmi", "-fopenmp")
-# int_cpu.cpp's VPDPBUSD (VNNI) and VPERMT2B (VBMI): Sapphire Rapids and Zen 4 on have them all; Cooper Lake,
-# the one AVX512-BF16 CPU without VBMI, falls back to torch's kernels
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi"})
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+# per instruction set, best first: the compiler flags and the /proc/cpuinfo flags they need. AVX-512: VPDPBF16PS
+# (bf16), VPDPBUSD (VNNI) and VPERMT2B (VBMI); Cooper Lake, the one AVX512-BF16 CPU without VBMI, takes AVX2
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
+ISA_REQUIRED = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+}
 STALE_LOCK_S = 900  # a build takes 1-2 min on 2 cores
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -50,21 +63,49 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def torch_multiplies_bf16() -> bool:
+    """Whether torch's own CPU matmul is native bfloat16 here (oneDNN's AVX512-BF16 / AMX path); without it torch
+    converts, and the AVX2 kernels take a prefill's rows too (kernels/decode.py ANY_ROWS)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def isa() -> str | None:
+    """The instruction set the kernels are built for here: the best one the CPU has, or the one
+    OFFLOAD_ENGINE_NATIVE_ISA names where the CPU has it; None where it has none of them."""
+    have = cpu_flags()
+    wanted = os.environ.get("OFFLOAD_ENGINE_NATIVE_ISA")
+    for name, required in ISA_REQUIRED.items():
+        if (wanted in (None, "", name)) and required <= have:
+            return name
+    return None
+
+
+def flags() -> tuple[str, ...]:
+    return BASE_FLAGS + ISA_FLAGS[isa() or "avx2"]
+
+
 def supported() -> str | None:
     """None where the kernels can run here; otherwise why not."""
     if os.environ.get("OFFLOAD_ENGINE_NATIVE", "1") == "0":
         return "OFFLOAD_ENGINE_NATIVE=0"
     if sys.platform != "linux" or sys.byteorder != "little":
         return f"{sys.platform}: the native kernels are built for x86-64 Linux"
-    missing = REQUIRED_FLAGS - cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+    wanted = os.environ.get("OFFLOAD_ENGINE_NATIVE_ISA")
+    if wanted and wanted not in ISA_FLAGS:
+        return f"OFFLOAD_ENGINE_NATIVE_ISA={wanted!r} is not one of {', '.join(ISA_FLAGS)}"
+    if isa() is None:
+        options = [name for name in ISA_FLAGS if wanted in (None, "", name)]
+        missing = "; ".join(f"{name} needs {', '.join(sorted(ISA_REQUIRED[name] - cpu_flags()))}" for name in options)
+        return f"this CPU lacks the instructions the kernels need ({missing})"
     return None
 
 
 def build_dir() -> Path:
     base = Path(os.environ.get("OFFLOAD_ENGINE_CACHE", Path.home() / ".cache" / "offload-engine"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(flags()).encode())
     digest = digest.hexdigest()[:12]
     return base / "kernels" / f"torch-{torch.__version__.split('+')[0]}-{digest}"
 
@@ -107,9 +148,9 @@ def _build() -> ModuleType:
     _clear_stale_lock(where / "lock")
     fresh = not any(where.glob("*.so"))
     if fresh:
-        print(f"offload-engine: building its CPU kernels once into {where} (~1-2 min)", file=sys.stderr)
+        print(f"offload-engine: building its {isa()} CPU kernels once into {where} (~1-2 min)", file=sys.stderr)
     return cpp_extension.load(name="offload_engine_cpu", sources=[str(p) for p in SOURCES],
-                              build_directory=str(where), extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                              build_directory=str(where), extra_cflags=list(flags()), extra_ldflags=["-fopenmp"],
                               verbose=False)
 
 

@@ -1,9 +1,10 @@
-// bfloat16 matrix-vector kernels for x86 CPUs with AVX512-BF16 (runtime/kernels/native.py builds and loads this).
+// bfloat16 matrix-vector kernels for x86 CPUs (native_build.py builds and loads this; the inner dot products:
+// bf16_dot_avx512.h with AVX512-BF16, bf16_dot_avx2.h with AVX2 and FMA).
 //
 // Why: for the few rows of a decode step (M <= ~16), torch's bf16 matmul goes through oneDNN's brgemm, which
-// reaches 9-19 GB/s on the bench shapes on 2 cores where the memory gives ~27 GB/s; and a routed expert costs a
-// dozen small torch ops. Here a weight row is read once for all the rows of x (VDPBF16PS: bf16 pairs multiplied and
-// summed into fp32), and one call computes all of a layer's resident routed experts.
+// reaches 9-19 GB/s on the bench shapes on 2 cores where the memory gives ~27 GB/s (without AVX512-BF16 torch
+// converts, slower still); and a routed expert costs a dozen small torch ops. Here a weight row is read once for
+// all the rows of x, and one call computes all of a layer's resident routed experts.
 //
 // Determinism: every output element is one thread's dot product over k in ascending order, so a result does not
 // depend on the thread count, on how the rows are split, or on which other experts share the call (an expert's
@@ -16,49 +17,19 @@
 #include <vector>
 
 #include "bf16_util.h"
+#if defined(__AVX512BF16__)
+#include "bf16_dot_avx512.h"
+#else
+#include "bf16_dot_avx2.h"
+#endif
 
 namespace {
 
 using offload_native::bf16;
+using offload_native::dot_tile;
 using offload_native::to_bf16;
 using offload_native::to_float;
-constexpr int64_t kPrefetchTiles = 8;  // how far ahead dot_tile prefetches weight rows (a prefetch never faults)
 constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
-
-// y[r][m] = sum_k W[r][k] x[m][k] for R <= 4 weight rows and MR <= 4 rows of x: R x MR independent fp32
-// accumulators in registers (a single chain per row would wait on VDPBF16PS's latency), each summed over k in
-// ascending order, 32 at a time, the tail masked
-template <int R, int MR>
-inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[R][MR];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  // the weight rows kPrefetchTiles tiles ahead (the next rows of this thread's block, ldw == K), fetched one line
-  // per row per step: a tile spans R short streams (a 256-wide row is 8 lines), too short for the hardware
-  // prefetcher to ramp up on each, and a decode step is bound by this memory traffic
-  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * R * ldw);
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (k / 32 * R + r) * 64, _MM_HINT_T0);
-    __m512bh xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
-      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-    }
-  }
-  if (k < K) {
-    __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
-      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MR; ++m) y[r * ldy + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
 
 template <int R>
 inline void dot_rows(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, float* y) {
@@ -77,20 +48,19 @@ inline void dot_rows(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int
 // of x's rows (M <= kMaxRows per pass)
 void gemv_block(const bf16* W, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, bf16* out,
                 int64_t ldo, int64_t n0, int64_t n1) {
+  // weight rows outer, x's rows inner: a tile of weight rows stays in L1 while every row of x passes (a prefill's
+  // many rows read the weight once, not once per kMaxRows)
   float y[4][kMaxRows];
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, M - m0);
-    const bf16* xm = x + m0 * ldx;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-      dot_rows<4>(W + n * ldw, ldw, xm, ldx, rows, K, &y[0][0]);
-      for (int r = 0; r < 4; ++r)
+  for (int64_t n = n0; n < n1;) {
+    const int R = n + 4 <= n1 ? 4 : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, M - m0);
+      if (R == 4) dot_rows<4>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0]);
+      else dot_rows<1>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0]);
+      for (int r = 0; r < R; ++r)
         for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n + r] = to_bf16(y[r][m]);
     }
-    for (; n < n1; ++n) {
-      dot_rows<1>(W + n * ldw, ldw, xm, ldx, rows, K, &y[0][0]);
-      for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n] = to_bf16(y[0][m]);
-    }
+    n += R;
   }
 }
 

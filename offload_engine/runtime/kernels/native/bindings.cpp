@@ -10,6 +10,7 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
                                    const std::vector<torch::Tensor>& weights);
 std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<torch::Tensor>& Ws);
 torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts);
+int64_t int4_block_rows();
 std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& forms);
 std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
                                        const std::vector<std::vector<torch::Tensor>>& gates,
@@ -30,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts", &experts, "routed experts' gated SiLU MLPs, one call per layer");
   m.def("linears", &linears, "linear for several weights of one input, one parallel region");
   m.def("int_linears", &int_linears, "int_linear for several weights of one input, x quantized once");
+  m.def("int4_block_rows", &int4_block_rows, "rows per block of the int4 pack the int kernels read (64 or 32)");
   m.def("int_linear", &int_linear, "x [M, K] @ W^T for an int8 / int4 kernel form, bfloat16 out");
   m.def("experts_int", &experts_int, "routed experts' gated SiLU MLPs over int8 / int4 kernel forms, one call");
   m.def("attend_one", &attend_one, "one query's QK-norm, RoPE, cache write and GQA attention over the cache");

@@ -1,10 +1,11 @@
-// Weight-only int8 / int4 matrix-vector kernels for x86 CPUs with AVX512-VNNI and VBMI (built with bf16_cpu.cpp:
-// native_build.py).
+// Weight-only int8 / int4 matrix-vector kernels for x86 CPUs (built with bf16_cpu.cpp: native_build.py); the inner
+// loops: int_avx512.h with AVX512-VNNI and VBMI, int_avx2.h with AVX2 (which says how it differs from the below).
 //
 // The weights are read in the kernel forms runtime/kernels/cpu_int.py makes for torch's CPU kernels (a unit's slot
 // holds one form, whichever kernel multiplies it):
 //   int8  q int8 [N, K], s [N], optional zero term t [N]:      W[n, k] = q[n, k] * s[n] - t[n]
 //   int4  torch's CPU int4 pack uint8 [N, K/2], sz [K/g, N, 2]: W[n, k] = (q[n, k] - 8) * s + z in group k / g
+//         (rows in blocks of kInt4BlockRows: 64 where torch's kernel runs AVX-512, 32 with AVX2)
 //
 // The input is quantized once per call, per block of 32 values, to two int8 digits (llama.cpp quantizes its
 // activations to one, Q8_0): q = round(x * 127 / amax), then the rest x - q * amax / 127 to r in -8..8 sixteenths
@@ -18,7 +19,8 @@
 //         128 * sum(x^) it adds is taken off once per row: y = s * (sum_blocks dot(q + 128, x^) - 128 S) - S t
 //   int4  the nibbles are unsigned already (0..15, and 16 q still fits a byte): per group
 //         s * sum_blocks dot(q, x^) + (z - 8 s) * S_g; the pack's bytes hold rows i (low nibble) and i + 32 (high)
-//         of a 64-row block at each k, so four k's bytes are regrouped (VPERMT2B) into one 32-bit lane per row.
+//         of a 64-row block at each k (AVX-512's layout), so four k's bytes are regrouped (VPERMT2B) into one
+//         32-bit lane per row.
 //   S, S_g: the sums of x^ over the row / over group g.
 //
 // Determinism: every output element is one thread's sum in a fixed order (integers within a block, then blocks in
@@ -35,6 +37,11 @@
 
 #include "bf16_util.h"
 #include "int_input.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#include "int_avx512.h"
+#else
+#include "int_avx2.h"
+#endif
 
 namespace {
 
@@ -44,20 +51,10 @@ using offload_native::to_float;
 using offload_native::Act;
 using offload_native::kBlock;
 using offload_native::kChunk;
+using offload_native::Form;
+using offload_native::int4_block;
+using offload_native::int8_rows;
 using offload_native::prepare;
-constexpr int64_t kPrefetchTiles = 8;  // int8: how many NB-row tiles ahead the weight rows are prefetched
-constexpr int64_t kPrefetchBytes = 2048;  // int4: how far ahead in a block's one stream
-constexpr int64_t kPrefetchGroups = 4;  // int4: how many groups ahead a block's scales are prefetched
-
-struct Form {  // one projection's weight in its kernel form
-  bool int4 = false;
-  const int8_t* q8 = nullptr;
-  const uint8_t* q4 = nullptr;
-  const bf16* s = nullptr;  // int8: [N]; int4: [G, N, 2] (scale, zero) pairs
-  const bf16* t = nullptr;  // int8: zero term [N] or null
-  int64_t N = 0, K = 0, G = 1;  // G: groups of K (int4), 1 (int8)
-};
-
 struct Proj {
   Form f;
   const Act* a;
@@ -103,45 +100,19 @@ Form form_of(const std::vector<torch::Tensor>& parts, const char* what, int64_t 
   return f;
 }
 
-// ---- int8: NB weight rows at a time (independent chains), MB rows of x per pass -------------------------------
-template <int NB, int MB>
-void int8_rows(const Form& f, const Act& a, int64_t m0, int64_t n, bf16* out, int64_t ldo) {
-  __m512 acc[NB][MB];
-  for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
-  const int64_t K = f.K;
-  const int8_t* w = f.q8 + n * K;
-  // the rows kPrefetchTiles tiles ahead (this task's next rows: they follow these in memory), one line per row per
-  // step: a tile is NB short streams the hardware prefetcher does not ramp up on (as in bf16_cpu.cpp's dot_tile)
-  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * NB * K);
-  for (int64_t k = 0; k < K; k += kChunk) {
-    const int64_t c = k / kChunk;
-    const __mmask64 mask = K - k >= kChunk ? ~0ull : (1ull << (K - k)) - 1;  // past K: q + 128 times x's 0
-    __m512i xq[MB], xr[MB];
-    __m512 xs[MB];
-    for (int m = 0; m < MB; ++m) {
-      xq[m] = _mm512_loadu_si512(a.row(m0 + m) + k);
-      xr[m] = _mm512_loadu_si512(a.rest(m0 + m) + k);
-      xs[m] = _mm512_loadu_ps(a.chunk_scales(m0 + m, c));
-    }
-    for (int r = 0; r < NB; ++r) {
-      _mm_prefetch(ahead + (k / kChunk * NB + r) * 64, _MM_HINT_T0);
-      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
-      for (int m = 0; m < MB; ++m) {  // 16 dot(w, q) + dot(w, r): exact, below 2^24
-        const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, wv, xq[m]), 4),
-                                           _mm512_dpbusd_epi32(zero, wv, xr[m]));
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs[m], acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < NB; ++r) {
-    const float s = to_float(f.s[n + r]), t = f.t != nullptr ? to_float(f.t[n + r]) : 0.0f;
-    for (int m = 0; m < MB; ++m) {
-      const float sum = a.sums[(m0 + m) * a.G];
-      out[(m0 + m) * ldo + n + r] = to_bf16(s * (_mm512_reduce_add_ps(acc[r][m]) - 128.0f * sum) - sum * t);
-    }
-  }
+constexpr int64_t kB = offload_native::kInt4BlockRows, kHalf = kB / 2;  // the int4 pack's rows per block
+
+// The pack's last N % kB rows (byte (k, j) = rows 2j | 2j + 1 << 4) laid out as a block, rows past them zero
+const uint8_t* rest_as_block(const Form& f, int64_t full, std::vector<uint8_t>& buf) {
+  const int64_t R = f.N - full, ld = R / 2, K = f.K;
+  const uint8_t* rest = f.q4 + full * K / 2;
+  auto nib = [&](int64_t k, int64_t r) -> uint8_t {
+    return r < R ? (rest[k * ld + r / 2] >> (4 * (r % 2))) & 15 : 0;
+  };
+  buf.resize(K * kHalf);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t i = 0; i < kHalf; ++i) buf[k * kHalf + i] = nib(k, i) | nib(k, kHalf + i) << 4;
+  return buf.data();
 }
 
 template <int MB>
@@ -151,118 +122,20 @@ void int8_span(const Form& f, const Act& a, int64_t m0, int64_t n0, int64_t n1, 
   for (; n < n1; ++n) int8_rows<1, MB>(f, a, m0, n, out, ldo);
 }
 
-// ---- int4: a 64-row block of the pack (32 bytes a k: byte i = row i low, row i + 32 high) ---------------------
-// Vectors v of a block: 0 = rows 0-15 (low nibbles of bytes 0-15), 1 = rows 16-31, 2 = rows 32-47, 3 = rows 48-63.
-inline void scale_zero(const Form& f, int64_t group, int64_t row, __mmask16 mask, __m512& s, __m512& z) {
-  const int* pairs = reinterpret_cast<const int*>(f.s + group * f.N * 2);  // one (scale, zero) pair per row
-  const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + row);
-  s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// rows [r0, r0 + rows) of the projection for row m of x, from a block's bytes (base: byte (k, i) at base[32 k + i]).
-// One row of x per pass: its 8 integer accumulators, 4 group sums and 4 totals fill the registers (a second row's
-// pass reads the block again from cache).
-void int4_block(const Form& f, const Act& a, int64_t m, const uint8_t* base, int64_t r0, int rows, bf16* out,
-                int64_t ldo) {
-  alignas(64) static const struct Index {  // byte 4 i + t of lane i: byte i (or 16 + i) of k + t, of 4 k's bytes
-    uint8_t first[64], second[64];
-    Index() {
-      for (int i = 0; i < 16; ++i)
-        for (int t = 0; t < 4; ++t) first[4 * i + t] = 32 * t + i, second[4 * i + t] = 32 * t + 16 + i;
-    }
-  } index;
-  const __m512i first = _mm512_load_si512(index.first), second = _mm512_load_si512(index.second);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __mmask16 mask[4];
-  for (int v = 0; v < 4; ++v) mask[v] = static_cast<__mmask16>((1u << std::clamp(rows - 16 * v, 0, 16)) - 1);
-  __m512 tot[4];
-  for (int v = 0; v < 4; ++v) tot[v] = _mm512_setzero_ps();
-  const int8_t *xq_row = a.row(m), *xr_row = a.rest(m);
-  const int64_t g = f.K / f.G;
-  for (int64_t group = 0; group < f.G; ++group) {
-    // this block's (scale, zero) pairs of a later group: 256 bytes every N * 4, a stride no prefetcher follows
-    const char* pairs = reinterpret_cast<const char*>(f.s + ((group + kPrefetchGroups) * f.N + r0) * 2);
-    for (int line = 0; line < 4; ++line) _mm_prefetch(pairs + 64 * line, _MM_HINT_T0);
-    __m512 gsum[4];
-    for (int v = 0; v < 4; ++v) gsum[v] = _mm512_setzero_ps();
-    for (int64_t k0 = group * g; k0 < (group + 1) * g; k0 += kBlock) {
-      // per vector pair j (rows 16 j.., and rows 32 + 16 j.. in the high nibbles): the low nibbles' products with
-      // x's two digits, and the whole bytes' (low + 16 high): the high nibbles' are the difference
-      __m512i low_q[2], low_r[2], byte_q[2], byte_r[2];
-      for (int j = 0; j < 2; ++j) low_q[j] = low_r[j] = byte_q[j] = byte_r[j] = _mm512_setzero_si512();
-      for (int64_t k = k0; k < k0 + kBlock; k += 4) {
-        const uint8_t* p = base + 32 * k;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (hints never fault)
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + 64), _MM_HINT_T0);
-        const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 64);
-        const __m512i bytes[2] = {_mm512_permutex2var_epi8(lo, first, hi), _mm512_permutex2var_epi8(lo, second, hi)};
-        int32_t four_q, four_r;
-        std::memcpy(&four_q, xq_row + k, sizeof four_q);
-        std::memcpy(&four_r, xr_row + k, sizeof four_r);
-        const __m512i xq = _mm512_set1_epi32(four_q), xr = _mm512_set1_epi32(four_r);
-        for (int j = 0; j < 2; ++j) {
-          const __m512i low = _mm512_and_si512(bytes[j], nibble);
-          low_q[j] = _mm512_dpbusd_epi32(low_q[j], low, xq);
-          low_r[j] = _mm512_dpbusd_epi32(low_r[j], low, xr);
-          byte_q[j] = _mm512_dpbusd_epi32(byte_q[j], bytes[j], xq);
-          byte_r[j] = _mm512_dpbusd_epi32(byte_r[j], bytes[j], xr);
-        }
-      }
-      // sum q (16 xq + xr) exactly: low 16 low_q + low_r; high (byte_q - low_q) + (byte_r - low_r) / 16 (the
-      // difference is 16 x the high nibbles' products, so the shift is exact); each below 2^24
-      const __m512 sx = _mm512_set1_ps(a.block_scale(m, k0 / kBlock));
-      for (int j = 0; j < 2; ++j) {
-        const __m512i low = _mm512_add_epi32(_mm512_slli_epi32(low_q[j], 4), low_r[j]);
-        const __m512i high = _mm512_add_epi32(_mm512_sub_epi32(byte_q[j], low_q[j]),
-                                              _mm512_srai_epi32(_mm512_sub_epi32(byte_r[j], low_r[j]), 4));
-        gsum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), sx, gsum[j]);
-        gsum[j + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), sx, gsum[j + 2]);
-      }
-    }
-    const __m512 sum = _mm512_set1_ps(a.sums[m * a.G + group]);
-    for (int v = 0; v < 4; ++v) {
-      __m512 s, z;
-      scale_zero(f, group, r0 + 16 * v, mask[v], s, z);
-      const __m512 term = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // z - 8 s: the nibbles' offset
-      tot[v] = _mm512_fmadd_ps(term, sum, _mm512_fmadd_ps(gsum[v], s, tot[v]));
-    }
-  }
-  alignas(64) float y[16];
-  for (int v = 0; v < 4; ++v) {
-    _mm512_store_ps(y, tot[v]);
-    bf16* row = out + m * ldo + r0 + 16 * v;
-    for (int j = 0; j < 16 && 16 * v + j < rows; ++j) row[j] = to_bf16(y[j]);
-  }
-}
-
-// The pack's last N % 64 rows (byte (k, j) = rows 2j | 2j + 1 << 4) laid out as a block, rows past them zero
-const uint8_t* rest_as_block(const Form& f, int64_t full, std::vector<uint8_t>& buf) {
-  const int64_t R = f.N - full, ld = R / 2, K = f.K;
-  const uint8_t* rest = f.q4 + full * K / 2;
-  auto nib = [&](int64_t k, int64_t r) -> uint8_t {
-    return r < R ? (rest[k * ld + r / 2] >> (4 * (r % 2))) & 15 : 0;
-  };
-  buf.resize(K * 32);
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t i = 0; i < 32; ++i) buf[k * 32 + i] = nib(k, i) | nib(k, 32 + i) << 4;
-  return buf.data();
-}
-
-// a 64-row block (or the rows after the last one) for every row of x
+// a block of the pack (or the rows after the last one) for every row of x
 void int4_rows(const Form& f, const Act& a, int64_t r0, bf16* out, int64_t ldo) {
-  const int64_t full = f.N / 64 * 64;
+  const int64_t full = f.N / kB * kB;
   thread_local std::vector<uint8_t> buf;
   const uint8_t* base = r0 < full ? f.q4 + r0 * f.K / 2 : rest_as_block(f, full, buf);
-  const int rows = static_cast<int>(std::min<int64_t>(64, f.N - r0));
+  const int rows = static_cast<int>(std::min<int64_t>(kB, f.N - r0));
   for (int64_t m = 0; m < a.M; ++m) int4_block(f, a, m, base, r0, rows, out, ldo);
 }
 
-// rows [n0, n1) of a projection for every row of x (int4: n0 and n1 on the pack's 64-row blocks, or N)
+// rows [n0, n1) of a projection for every row of x (int4: n0 and n1 on the pack's blocks, or N)
 void run_rows(const Proj& p, int64_t n0, int64_t n1) {
   const Act& a = *p.a;
   if (p.f.int4) {
-    for (int64_t r = n0; r < n1; r += 64) int4_rows(p.f, a, r, p.out, p.ldo);
+    for (int64_t r = n0; r < n1; r += kB) int4_rows(p.f, a, r, p.out, p.ldo);
     return;
   }
   for (int64_t m0 = 0; m0 < a.M;) {
@@ -279,13 +152,13 @@ struct Task {
   int64_t proj, n0, n1;
 };
 
-// every projection's rows cut into tasks (int8: 16 rows; int4: a 64-row block, or the rows after the last one),
+// every projection's rows cut into tasks (int8: 16 rows; int4: a block of the pack, or the rows after the last one),
 // run in one parallel region
 void run_all(const std::vector<Proj>& projs) {
   std::vector<Task> tasks;
   for (int64_t i = 0; i < static_cast<int64_t>(projs.size()); ++i) {
     const Form& f = projs[i].f;
-    const int64_t step = f.int4 ? 64 : 16;
+    const int64_t step = f.int4 ? kB : 16;
     for (int64_t n = 0; n < f.N; n += step) tasks.push_back({i, n, std::min(f.N, n + step)});
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -324,6 +197,9 @@ std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector
   run_all(projs);
   return out;
 }
+
+// the rows per block of the int4 pack these kernels read (the runtime takes them only where torch packs alike)
+int64_t int4_block_rows() { return kB; }
 
 // x [M, K] @ W.T for an int8 or int4 kernel form (parts: [weight, scale] or [weight, scale, zero term]) -> bf16
 torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts) {
