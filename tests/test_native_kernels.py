@@ -139,3 +139,24 @@ def test_linears_are_each_linear_bit_for_bit() -> None:
         assert all(torch.equal(y, native.linear(x, w)) for y, w in zip(together, weights))
     with pytest.raises(RuntimeError, match="weight 1"):
         native.linears(x, [weights[0], torch.randn(8, 95).bfloat16()])
+
+
+@needs_native
+def test_a_prefills_rows_each_get_a_decode_steps_bits() -> None:
+    """Where torch has no native bf16 matmul (AVX2), the plain linear takes any number of rows (a prefill's,
+    [batch, tokens, in]): each row's output is the bits the same row gets alone in a decode step, within a bf16
+    rounding of float32; elsewhere prefill stays with torch (more than MAX_ROWS rows: None)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1, 40, 200, generator=g).bfloat16(), torch.randn(72, 200, generator=g).bfloat16()
+    anywhere = decode.DecodeKernels(native, frozenset({(72, 200)}), False, {}, frozenset(), decode.ANY_ROWS)
+    y = anywhere.linear(x, w)
+    assert y.shape == (1, 40, 72) and y.dtype == torch.bfloat16
+    for t in range(40):
+        assert torch.equal(y[0, t], native.linear(x[0, t:t + 1].contiguous(), w)[0]), t
+    ref = F.linear(x.float(), w.float())
+    assert (y.float() - ref).abs().le(ref.abs() * 2 ** -8 + 1e-6).all()
+    decode_only = decode.DecodeKernels(native, frozenset({(72, 200)}), False, {}, frozenset())
+    assert decode_only.linear(x, w) is None and decode_only.linear(x[0, :16], w) is not None
+    chosen = decode.choose({(72, 200)}, None)
+    assert chosen.plain_rows == (decode.MAX_ROWS if native_build.torch_multiplies_bf16() else decode.ANY_ROWS)
+    assert chosen.describe()["isa"] == native_build.isa()

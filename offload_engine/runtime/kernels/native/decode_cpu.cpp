@@ -34,10 +34,21 @@ void check(const torch::Tensor& t, const char* what, int64_t numel) {
   TORCH_CHECK(numel < 0 || t.numel() == numel, what, ": expected ", numel, " values, got ", t.numel());
 }
 
+// sum_i term(i) in 8 partial sums reduced in a fixed order: a loop the compiler vectorizes (one running sum stays
+// scalar: reordering it is not allowed without -ffast-math), the same bits in every build (no contraction)
+template <typename Term>
+inline float sum8(int64_t n, Term term) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) part[l] += term(i + l);
+  for (; i < n; ++i) part[i % 8] += term(i);
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
 // layers.rms_norm on one head's D values, in place: fp32 mean of squares, x * rsqrt rounded, times the weight
 void rms_norm_head(bf16* x, const bf16* w, int64_t D, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float ss = sum8(D, [&](int64_t i) { return to_float(x[i]) * to_float(x[i]); });
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
   for (int64_t i = 0; i < D; ++i) x[i] = to_bf16(to_float(w[i]) * to_float(to_bf16(to_float(x[i]) * r)));
 }
@@ -46,12 +57,13 @@ void rms_norm_head(bf16* x, const bf16* w, int64_t D, float eps) {
 void rope_head(bf16* x, const bf16* cos, const bf16* sin, int64_t D) {
   const int64_t half = D / 2;
   bf16 out[512];
-  for (int64_t i = 0; i < D; ++i) {
-    const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
+  auto rotate = [&](int64_t i, float rotated) {
     const float a = to_float(to_bf16(to_float(x[i]) * to_float(cos[i])));
     const float b = to_float(to_bf16(rotated * to_float(sin[i])));
     out[i] = to_bf16(a + b);
-  }
+  };
+  for (int64_t i = 0; i < half; ++i) rotate(i, -to_float(x[i + half]));  // two branch-free loops: vectorized
+  for (int64_t i = half; i < D; ++i) rotate(i, to_float(x[i - half]));
   std::copy(out, out + D, x);
 }
 
@@ -107,9 +119,7 @@ torch::Tensor attend_one(const torch::Tensor& q_in, const torch::Tensor& k_in, c
       float m = -INFINITY;
       for (int64_t s = 0; s < S; ++s) {
         const bf16* kr = kc + (s * Hkv + kvh) * D;
-        float dot = 0.f;
-        for (int64_t i = 0; i < D; ++i) dot += qf[i] * to_float(kr[i]);
-        p[s] = dot * sc;
+        p[s] = sum8(D, [&](int64_t i) { return qf[i] * to_float(kr[i]); }) * sc;
         m = std::max(m, p[s]);
       }
       float l = 0.f;
@@ -151,14 +161,13 @@ torch::Tensor combine_add(const torch::Tensor& x, const std::vector<torch::Tenso
   auto out = torch::empty_like(x);
   const bf16* xp = cptr(x);
   bf16* op = mptr(out);
-  std::vector<const bf16*> pp;
-  for (const auto& p : parts) pp.push_back(cptr(p));
-  const bf16* sp = shared ? cptr(*shared) : nullptr;
-  for (int64_t j = 0; j < H; ++j) {
-    float acc = 0.f;
-    for (const bf16* p : pp) acc = to_float(to_bf16(acc + to_float(p[j])));
-    if (sp) acc = to_float(to_bf16(acc + to_float(sp[j])));
-    op[j] = to_bf16(to_float(xp[j]) + acc);
-  }
+  // one pass over the row per part (each a loop the compiler vectorizes), the running sum rounded as it goes
+  std::vector<float> acc(H, 0.f);
+  auto add = [&](const bf16* p) {
+    for (int64_t j = 0; j < H; ++j) acc[j] = to_float(to_bf16(acc[j] + to_float(p[j])));
+  };
+  for (const auto& p : parts) add(cptr(p));
+  if (shared) add(cptr(*shared));
+  for (int64_t j = 0; j < H; ++j) op[j] = to_bf16(to_float(xp[j]) + acc[j]);
   return out;
 }
