@@ -140,3 +140,18 @@ def test_llama_peer_smoke(quick_bf16, tmp_path):
     assert g.experts == hf.experts and abs(g.per_token - hf.per_token) < 0.1 * hf.per_token  # the same model
     r = llama_peer.run_bench(q8, threads=1, n_gen=4, repetitions=1)
     assert r.tok_s > 0 and r.n_gen == 4 and r.threads == 1 and "Q8_0" in r.model_type
+
+
+def test_decode_profile_splits_a_token_into_native_ops_and_the_rest(quick_bf16, tmp_path):
+    """tools/decode_profile.py: per-token wall time of each native kernel (where the CPU has them) and the
+    prefill rate, as a table and JSON; the native ops' sum never exceeds the token's time."""
+    from tools import decode_profile
+
+    out = tmp_path / "p.json"
+    assert decode_profile.main(["--model", str(quick_bf16), "--tokens", "6", "--prompt-len", "24",
+                                "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["prefill_tokens"] == 24
+    assert 0 <= r["native_ms_per_token"] <= r["ms_per_token"]
+    if r["isa"] is not None:  # bf16 on the engine's kernels: the experts' grouped call is among the ops
+        assert r["dtype"] == "bfloat16" and "experts" in r["native_ops"]

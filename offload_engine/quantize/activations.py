@@ -69,6 +69,10 @@ class Gram:
         return {r.data_ptr(): r.nbytes for r in self.rows}
 
 
+def _start(entry: tuple[int, int, Target]) -> int:
+    return entry[0]
+
+
 class _Observe(TorchFunctionMode):
     """Adds the input of every F.linear whose weight lies in a tracked range to that weight's Gram. One input given
     to several weights (q, k and v; gate and up) is copied once: `new_window` forgets the inputs of the last."""
@@ -76,7 +80,8 @@ class _Observe(TorchFunctionMode):
     def __init__(self, grams: dict[Target, Gram], on_grow: Callable[[], None]):
         super().__init__()
         self.grams, self.on_grow = grams, on_grow
-        self.starts: list[int] = []
+        # (start, end, target) of every tracked weight, sorted by start: one list, so that each change is one
+        # operation (a SIGINT raises between bytecodes: two parallel lists could be left one entry apart)
         self.ranges: list[tuple[int, int, Target]] = []
         self.last: tuple[torch.Tensor, Target] | None = None  # gate and up of one fused tensor: one input, once
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(x) -> (x, kept alive; its copy)
@@ -93,21 +98,21 @@ class _Observe(TorchFunctionMode):
     def track(self, tensors: dict[Target, torch.Tensor]) -> None:
         for target, t in tensors.items():
             start = t.data_ptr()
-            at = bisect.bisect(self.starts, start)
-            self.starts.insert(at, start)
-            self.ranges.insert(at, (start, start + t.nbytes, target))
+            self.ranges.insert(bisect.bisect(self.ranges, start, key=_start), (start, start + t.nbytes, target))
 
     def untrack(self, tensors: dict[Target, torch.Tensor]) -> None:
+        """Forget these weights (those tracked: an interrupted `track` may have tracked only some)."""
         for t in tensors.values():
-            at = self.starts.index(t.data_ptr())
-            del self.starts[at], self.ranges[at]
+            at = bisect.bisect_left(self.ranges, t.data_ptr(), key=_start)
+            if at < len(self.ranges) and self.ranges[at][0] == t.data_ptr():
+                del self.ranges[at]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
-            at = bisect.bisect(self.starts, weight.data_ptr()) - 1
+            at = bisect.bisect(self.ranges, weight.data_ptr(), key=_start) - 1
             if at >= 0 and weight.data_ptr() < self.ranges[at][1]:
                 target = self.ranges[at][2]
                 if self.last is None or self.last[0] is not x or self.last[1] != target:
@@ -147,8 +152,8 @@ class UnitReader:
                 weights[s.local] = t = self._tensor(s, 0, s.nbytes).view(s.shape)
                 if s.tensor in self.quantized:
                     targets[(s.tensor, self._expert(s))] = t
+            self.held[key] = targets  # first: release() untracks whatever of it track() got to
             self.observer.track(targets)
-            self.held[key] = targets
             yield key, weights
 
     def release(self, keys: Sequence[UnitKey]) -> None:
