@@ -6,7 +6,8 @@ and one call for all of a layer's routed experts; native/int_cpu.cpp: the same f
 int4, against torch's weight-only kernels: int_experts.py). Which is faster depends on the shape and the machine,
 so at open each distinct shape of the model's plain bf16 weights, and its experts' shape and form, is timed both
 ways on scratch tensors of that shape (several copies, so that they come from memory as the weights will),
-interleaved, best of several rounds.
+interleaved, best of several rounds. Where torch has no native bf16 matmul (CPUs without AVX512-BF16: it converts,
+~5x slower than the native kernel at 64 rows), the plain bf16 linear takes any number of rows, a prefill's too.
 
 The choices are stored per machine (CPU model, thread count, torch, kernel build) in
 $OFFLOAD_ENGINE_CACHE/kernels/choices.json and reused: a run takes the same kernel as the last one for the same

@@ -12,7 +12,8 @@ The build lands in $OFFLOAD_ENGINE_CACHE (default ~/.cache/offload-engine)/kerne
 new torch, another instruction set or a changed source rebuilds and concurrent processes share one build
 (torch's builder locks the folder). The first build takes ~1-2 min on 2 cores and is announced on stderr.
 OFFLOAD_ENGINE_NATIVE=0 turns the kernels off, =all takes them for every shape unmeasured (kernels/decode.py);
-the torch paths are always kept: prefill and the parity tests' float32 never use these.
+the torch paths are always kept: the parity tests' float32 never uses these, and prefill only where torch has no
+native bf16 matmul (the plain bf16 linear, kernels/decode.py ANY_ROWS).
 """
 from __future__ import annotations
 
