@@ -36,14 +36,7 @@ inline float sum_lanes(__m256 v) {  // the 8 lanes in a fixed order
 // x (bf16 rows, ldx apart) per block of 32, with int_avx512.h's arithmetic (the same digits, bit for bit): q =
 // rne(x * inv), inv = 127 / amax; r = rne((x - q * step) * 16 inv), step = amax / 127; x^ = (16 q + r) * step / 16
 inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
-  a.M = M, a.K = K, a.G = G, a.source = x, a.ldx = ldx;
-  a.Kp = (K + kChunk - 1) / kChunk * kChunk;
-  a.q.assign(M * a.Kp, 0);
-  a.r.assign(M * a.Kp, 0);
-  a.x16.assign(M * a.Kp, 0);
-  a.lanes.assign(M * a.Kp / kChunk * 16, 0.0f);
-  a.sums.assign(M * G, 0.0f);
-  const int64_t g = K / G;
+  a.reset(x, ldx, M, K, G, true);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t m = 0; m < M; ++m)
@@ -78,9 +71,7 @@ inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, in
         a.x16[at + i] = static_cast<int16_t>(16 * qi[i] + ri[i]);
         total += 16 * qi[i] + ri[i];
       }
-      float* lanes = a.lanes.data() + (m * (a.Kp / kChunk) + k0 / kChunk) * 16 + (k0 % kChunk) / kBlock * 8;
-      std::fill(lanes, lanes + 8, scale);
-      a.sums[m * G + k0 / g] += static_cast<float>(total) * scale;  // blocks nest in groups (int4: g % 32 == 0)
+      a.record(m, k0, scale, total);
     }
 }
 

@@ -24,13 +24,7 @@ constexpr int64_t kInt4BlockRows = 64;  // torch's CPU int4 pack where its kerne
 // as r = rne(rest * 16 inv) in -8..8, so x^ = (16 q + r) * scale with scale = amax / (127 * 16) (rne: round to
 // nearest even; the block's 32 values as two vectors of 16, the tail masked)
 inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
-  a.M = M, a.K = K, a.G = G, a.source = x, a.ldx = ldx;
-  a.Kp = (K + kChunk - 1) / kChunk * kChunk;
-  a.q.assign(M * a.Kp, 0);
-  a.r.assign(M * a.Kp, 0);
-  a.lanes.assign(M * a.Kp / kChunk * 16, 0.0f);
-  a.sums.assign(M * G, 0.0f);
-  const int64_t g = K / G;
+  a.reset(x, ldx, M, K, G, false);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
@@ -53,10 +47,7 @@ inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, in
         _mm_mask_storeu_epi8(a.r.data() + m * a.Kp + k0 + 16 * h, mask[h], _mm512_cvtepi32_epi8(ri));
         total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(qi, 4), ri));
       }
-      float* lanes = a.lanes.data() + (m * (a.Kp / kChunk) + k0 / kChunk) * 16 + (k0 % kChunk) / kBlock * 8;
-      std::fill(lanes, lanes + 8, scale);
-      // blocks nest in groups (int4: g % 32 == 0); masked lanes are 0 (loads zeroed them)
-      a.sums[m * G + k0 / g] += static_cast<float>(_mm512_reduce_add_epi32(total)) * scale;
+      a.record(m, k0, scale, _mm512_reduce_add_epi32(total));  // masked lanes are 0 (the loads zeroed them)
     }
 }
 

@@ -28,6 +28,25 @@ struct Act {  // a projection's input as two int8 digits per block of 32, and th
   const int16_t* joined(int64_t m) const { return x16.data() + m * Kp; }
   const float* chunk_scales(int64_t m, int64_t c) const { return lanes.data() + (m * (Kp / kChunk) + c) * 16; }
   float block_scale(int64_t m, int64_t b) const { return chunk_scales(m, b / 2)[(b % 2) * 8]; }
+
+  // sized and zeroed for M rows of K inputs in G groups, made from x (ldx apart); with_joined: x16 too
+  void reset(const void* x, int64_t ldx_, int64_t M_, int64_t K_, int64_t G_, bool with_joined) {
+    M = M_, K = K_, G = G_, source = x, ldx = ldx_;
+    Kp = (K + kChunk - 1) / kChunk * kChunk;
+    q.assign(M * Kp, 0);
+    r.assign(M * Kp, 0);
+    x16.assign(with_joined ? M * Kp : 0, 0);
+    lanes.assign(M * Kp / kChunk * 16, 0.0f);
+    sums.assign(M * G, 0.0f);
+  }
+
+  // the block of row m starting at k0: its scale (the 8 lanes of its half of the chunk), and its sum of x^ (total:
+  // the sum of its 16 q + r) added to its group's (blocks nest in groups: int4's g % 32 == 0)
+  void record(int64_t m, int64_t k0, float scale, int32_t total) {
+    float* at = lanes.data() + (m * (Kp / kChunk) + k0 / kChunk) * 16 + (k0 % kChunk) / kBlock * 8;
+    std::fill(at, at + 8, scale);
+    sums[m * G + k0 / (K / G)] += static_cast<float>(total) * scale;
+  }
 };
 
 struct Form {  // one projection's weight in its kernel form
