@@ -18,10 +18,12 @@ demo: $(BIN)/.installed
 	  --prompt "$$(printf 'import json\n\n\ndef read_config(path):\n    """Read a JSON file and return a dict."""')"
 
 # llama.cpp's own converter (in the llama-cpp-python sdist, unpacked once into ~/.cache/offload-engine) is the
-# reference of the GGUF parity tests; where the package index cannot be reached they skip with their reason
+# reference of the GGUF parity tests; where the package index cannot be reached they skip with their reason.
+# The suite runs on every core (at most 4 workers: each holds its own small checkpoints), one torch thread each;
+# worksteal keeps both cores busy through the slow tail (calibrated quantization, the converter's parity tests).
 test: $(BIN)/.installed
 	@$(BIN)/python tools/llama_peer.py fetch >/dev/null 2>&1 || echo "llama.cpp sources not fetched: the converter parity tests will skip"
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) .cache

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a resident decode step's time goes on the CPU: each native kernel's wall time per token (the calls are
 wrapped and timed), the rest being the engine's Python and torch's small ops; and the prefill rate. Prints a table
-and writes JSON. The figures in docs/PERF.md's session-22 section were measured this way.
+and writes JSON. Decode is the difference of two requests (8 and 8 + --tokens new tokens), so that the prompt's
+prefill and the request's set-up do not count (session 22's figures in docs/PERF.md included them).
 
     python tools/decode_profile.py --model bench-out/formats/qwen3_moe-bench-ct-int8 --tokens 64 --json out.json
 
@@ -19,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_engine import Engine  # noqa: E402
+
+SHORT = 8  # new tokens of the request whose time is subtracted (prefill and set-up)
 
 
 class TimedModule:
@@ -44,20 +47,35 @@ class TimedModule:
         return timed
 
 
+def _timed_run(engine: Engine, prompt: list[int], steps: int, timed: TimedModule | None
+               ) -> tuple[float, dict[str, float], collections.Counter]:
+    """Wall seconds of generate(prompt, steps) and the native seconds / calls it added."""
+    seconds = dict(timed.seconds) if timed is not None else {}
+    calls = collections.Counter(timed.calls) if timed is not None else collections.Counter()
+    start = time.perf_counter()
+    engine.generate(prompt, max_new_tokens=steps, ignore_eos=True)
+    wall = time.perf_counter() - start
+    if timed is None:
+        return wall, {}, collections.Counter()
+    return wall, {k: v - seconds.get(k, 0.0) for k, v in timed.seconds.items()}, timed.calls - calls
+
+
 def profile(model: str, tokens: int, prompt_len: int) -> dict:
+    """Decode figures are the difference of two requests, SHORT and SHORT + tokens new tokens of one prompt: the
+    prompt's prefill and the request's set-up cancel out, what is left is `tokens` decode steps."""
     prompt = [5 + (7 * i) % 1000 for i in range(prompt_len)]
-    with Engine.open(model, max_context=prompt_len + tokens + 8) as engine:
-        engine.generate(prompt[:16], max_new_tokens=8, ignore_eos=True)  # warm: kernel forms, choices
+    with Engine.open(model, max_context=prompt_len + SHORT + tokens + 8) as engine:
+        engine.generate(prompt[:16], max_new_tokens=tokens, ignore_eos=True)  # warm: kernel forms, choices
         kernels = engine.model.kernels
         timed = None
         if kernels is not None:
             timed = kernels.module = TimedModule(kernels.module)
-        start = time.perf_counter()
-        engine.generate(prompt[:16], max_new_tokens=tokens, ignore_eos=True)
-        per_token = (time.perf_counter() - start) / tokens
-        ops = {} if timed is None else {name: {"ms_per_token": s / tokens * 1e3,
-                                              "calls_per_token": timed.calls[name] / tokens}
-                                       for name, s in sorted(timed.seconds.items(), key=lambda kv: -kv[1])}
+        short_s, short_native, short_calls = _timed_run(engine, prompt[:16], SHORT, timed)
+        long_s, long_native, long_calls = _timed_run(engine, prompt[:16], SHORT + tokens, timed)
+        per_token = (long_s - short_s) / tokens
+        ops = {name: {"ms_per_token": (s - short_native.get(name, 0.0)) / tokens * 1e3,
+                      "calls_per_token": (long_calls[name] - short_calls[name]) / tokens}
+               for name, s in sorted(long_native.items(), key=lambda kv: -kv[1])}
         if timed is not None:
             kernels.module = timed._module
         start = time.perf_counter()
