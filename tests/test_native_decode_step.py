@@ -98,12 +98,13 @@ def test_engine_decode_steps_take_the_native_attention(arch: str, budget: str, c
     path = checkpoint_factory(arch, "offload", dtype="bfloat16")
     ids = list(range(3, 11))
     calls = []
-    real = native.attend_one
     runs = {}
     for ram in (None, budget):
         with Engine.open(path, budget=Budget(ram=ram), max_context=64) as engine:
-            monkeypatch.setattr(engine.model.kernels.module, "attend_one",
-                                lambda *a: calls.append(1) or real(*a), raising=False)
+            for name in ("attend_one", "attention_block"):  # alone, or within the layer's attention block
+                real = getattr(native, name)
+                monkeypatch.setattr(engine.model.kernels.module, name,
+                                    lambda *a, real=real: calls.append(1) or real(*a), raising=False)
             runs[ram] = engine.generate(ids, max_new_tokens=10, ignore_eos=True)
     assert calls  # the decode steps took it
     assert runs[None].token_ids == runs[budget].token_ids

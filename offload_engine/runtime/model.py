@@ -155,13 +155,21 @@ class CausalLM:
         prefetcher = self.prefetcher
         for layer in self.layers:
             with self._unit(UnitKey(layer, "dense")) as w:
-                x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
+                # a decode step's attention block (and router) in one native call where every part takes the
+                # native kernels; otherwise one op at a time (the same bits either way)
+                block = ops.decode_block(layer, w, x, positions, cache, mask) if self.kernels is not None else None
+                if block is None:
+                    x, h, logits = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask), \
+                        None, None
+                else:
+                    x, h, logits = block
                 after_attention = x
                 if prefetcher is not None:  # reads for the next layers start while this one computes
                     prefetcher.after_attention(layer, x)
-                h = ops.post_norm(layer, w, x)
+                if h is None:
+                    h = ops.post_norm(layer, w, x)
                 if ops.is_moe(layer):
-                    x = self.moe(layer, w, h, self._route_ahead(layer, x), residual=x)
+                    x = self.moe(layer, w, h, self._route_ahead(layer, x), residual=x, logits=logits)
                 else:
                     x = x + ops.dense_mlp(layer, w, h)
                 if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
@@ -169,15 +177,16 @@ class CausalLM:
         return x
 
     def moe(self, layer: int, w: Weights, h: torch.Tensor, ahead: Callable[[torch.Tensor], None] | None = None,
-            *, trunk: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
+            *, trunk: bool = True, residual: torch.Tensor | None = None, logits: torch.Tensor | None = None
+            ) -> torch.Tensor:
         """A MoE feed-forward: route h, compute the routed experts (resident ones first, the rest as their reads
         land) and the shared experts. ahead: given this layer's output so far (the experts computed, the shared
         experts), starts the next layers' reads (see _route_ahead); called when the layer would otherwise wait for
         expert reads. trunk=False (an MTP layer, runtime/mtp.py): its routing is neither recorded nor shown to the
         prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device.
         residual: returned plus the layer's output (for a one-token bf16 step one native call, combine_add: the same
-        bits as the torch additions)."""
-        indices, weights = self.ops.route(layer, w, h)
+        bits as the torch additions). logits: the router's product of h, where decode_block made it."""
+        indices, weights = self.ops.route(layer, w, h) if logits is None else self.ops.route(layer, w, h, logits)
         experts = routed_experts(indices, weights)
         if trunk and self.routing_trace is not None:
             self.routing_trace.append((layer, indices.tolist()))
@@ -224,13 +233,23 @@ class CausalLM:
                 host = None  # auto rules the host out for this forward: nothing to stage, nothing to ask
         on_host = None if host is None else (lambda key: host.wants(tokens[key.expert]))
         grouped = {} if native is None else {"after_resident": after_resident}
-        units = self.source.acquire(keys, wait_work, on_host=on_host, **grouped)
+        # all of them resident (a decode step where the budget holds them): handed over at once, no generator
+        ready = self.source.acquire_ready(keys) if native is not None and hasattr(self.source, "acquire_ready") \
+            else None
+        if ready is not None and residual is not None and host is None and h.shape[0] == 1:
+            out = self.moe_row(native, h, indices, weights, keys, ready, residual, shared_output)
+            if out is not None:
+                return out
+        units = (zip(keys, ready) if ready is not None
+                 else self.source.acquire(keys, wait_work, on_host=on_host, **grouped))
         # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
         # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
         staged = HostInputs.stage(h, indices, weights) if host is not None and h.device.type == "cuda" else None
         elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the routing's inputs, moved once
+        handed = 0
         try:
             for key, ew in units:
+                handed += 1
                 mats = self.ops.gated_silu(ew) if native is not None else None
                 if mats is not None and (mats.down[0] if isinstance(mats, IntExpert) else mats[0]).device == h.device:
                     pending.append((key, mats))
@@ -242,6 +261,8 @@ class CausalLM:
         finally:
             if pending:  # a failure: what was held and not computed is given back
                 self.source.release([k for k, _ in pending])
+            if ready is not None and handed < len(keys):  # and what was acquired and never reached
+                self.source.release(keys[handed:])
         if residual is None:
             return output()
         if native is not None and h.shape[0] == 1:
@@ -249,6 +270,31 @@ class CausalLM:
             return native.module.combine_add(residual, [parts[e][1] for e in sorted(parts)],
                                              None if extra is None else extra.contiguous())
         return residual + output()
+
+    def moe_row(self, native: DecodeKernels, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 keys: list[UnitKey], ready: list[Weights], residual: torch.Tensor,
+                 shared: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """moe() of a one-token step whose routed experts are all resident (acquired: `ready`) and take one native
+        kernel: residual + their parts + the shared experts in one call (moe_row: native_parts' and combine_add's
+        bits), the experts released after it. None, computing and releasing nothing, where one takes another
+        path (the caller then goes one by one). Compute-tier units lie on h's device: no host hand-over here."""
+        mats = [self.ops.gated_silu(u) for u in ready]
+        quantized = isinstance(mats[0], IntExpert)
+        if any(m is None or isinstance(m, IntExpert) != quantized for m in mats):
+            return None
+        order = sorted(range(len(keys)), key=lambda i: keys[i].expert)  # the sum's ascending expert order
+        routed = indices[0].tolist()
+        try:
+            if quantized:
+                gates, ups, downs = ([getattr(mats[i], part) for i in order] for part in ("gate", "up", "down"))
+            else:
+                gates, ups, downs = ([[mats[i][part]] for i in order] for part in range(3))
+            extra = shared()
+            return native.module.moe_row(residual, h.contiguous(), weights[0].to(h.dtype),
+                                         [routed.index(keys[i].expert) for i in order], gates, ups, downs,
+                                         None if extra is None else extra.contiguous())
+        finally:
+            self.source.release(keys)
 
     def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 parts: dict, elsewhere: dict, staged: HostInputs | None, host: HostCompute | None,

@@ -4,6 +4,7 @@
 it arrives and calls `release` when done, after which the source may evict them. A source that would block on
 reads first calls the caller's `while_waiting` (once), so the caller can use the wait; `after_resident` (once)
 when the units it held at the call have all been handed over. A source may also offer
+`acquire_ready(keys)`: all of them at once where all are resident, else None (TieredStore.acquire_ready); and
 `rows(key, ids)`: the rows a lookup needs of a table it does not hold whole (the embedding; see `lookup`).
 """
 from __future__ import annotations
@@ -31,6 +32,17 @@ def hold(source: WeightSource, key: UnitKey) -> Iterator[Weights]:
     """One unit for the duration of a `with` block. Released exactly once whatever interrupts it: a
     KeyboardInterrupt that lands while `acquire` finishes (after the unit was handed over) or before the block
     starts would otherwise leak the reference, and the slot could never be evicted again."""
+    ready = getattr(source, "acquire_ready", None)
+    taken = None
+    try:  # a resident unit is handed over at once, without acquire's generator
+        taken = ready([key]) if ready is not None else None
+        if taken is not None:
+            yield taken[0]
+    finally:
+        if taken is not None:
+            source.release([key])
+    if taken is not None:
+        return
     units = source.acquire([key])
     got = False
     try:

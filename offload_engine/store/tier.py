@@ -108,6 +108,9 @@ class Prepared:
     declined: int = 0  # units computed without their derived tensors for want of budget
     WHAT = "repacked weights"
 
+    def counts(self) -> dict[str, int]:
+        return {"built": self.built, "in_place": self.in_place, "declined": self.declined}
+
     def add(self, slot: Slot, views: dict[str, torch.Tensor], dtype: torch.dtype,
             tail: torch.Tensor) -> dict[str, torch.Tensor]:
         if slot.kind in ROW_KINDS:  # looked up by rows, never multiplied: no kernel form would be read

@@ -38,7 +38,10 @@ class LayerOps(Protocol):
                   mask: torch.Tensor | None) -> torch.Tensor: ...
     def is_moe(self, layer: int) -> bool: ...
     def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
-    def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def route(self, layer: int, w: Weights, x: torch.Tensor, logits: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def decode_block(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None: ...
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None: ...
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
@@ -76,6 +79,10 @@ class StandardOps:
         self.rotary = Rotary(self.s.rope, self.s.head_dim, self.s.max_position_embeddings, device)
         self.dtype = dtype
         self._expert_forms: PerFill = PerFill()  # gated_silu's answer per expert unit fill
+        self._block_forms: PerFill = PerFill()  # decode_block's weights per dense unit fill
+        # decode_block composes this class's own steps: a subclass with its own norm, attention or routing has none
+        self._standard_block = all(getattr(type(self), name) is getattr(StandardOps, name)
+                                   for name in ("norm", "input_norm", "post_norm", "attention", "route"))
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Every layer's cache entry for one position (what the KV cache stores)."""
@@ -140,23 +147,71 @@ class StandardOps:
     def _native_step(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
         """A one-token decode step's attention between the projections in one native call (QK-norm, RoPE, the
-        cache write, attention over every position: kernels/native/decode_cpu.cpp) where the native kernels are
-        on, the step is bf16 on the CPU, sees every cached position and the cache stores bf16 as given; None
-        otherwise (the torch path). Architectures with their own norm or attention never get here."""
+        cache write, attention over every position: kernels/native/decode_cpu.cpp) where `_one_row_buffers`
+        allows it; None otherwise (the torch path)."""
         kernels = decode_kernels.active.get()
+        buffers = self._one_row_buffers(kernels, layer, x, positions, cache, mask)
+        if buffers is None:
+            return None
+        q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return kernels.module.attend_one(q.contiguous(), k.contiguous(), v.contiguous(), *self._qk_norms(w),
+                                         self.s.rms_norm_eps, cos, sin, *buffers, cache.length,
+                                         self.s.head_dim ** -0.5)
+
+    def _one_row_buffers(self, kernels, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                         mask: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+        """The layer's cache buffers a native one-token step writes its entry into, where the native kernels are on,
+        the step is bf16 on the CPU, sees every cached position and the cache stores bf16 as given; else None.
+        Architectures with their own norm or attention never get here."""
         s = self.s
         if (kernels is None or x.shape[0] != 1 or x.dtype is not torch.bfloat16 or x.device.type != "cpu"
                 or type(self).norm is not StandardOps.norm or self.rotary.rotary_dim != s.head_dim
                 or (mask is not None and not bool(mask.all()))):
             return None
         buffers = cache.plain_buffers(layer, x.dtype)
-        if buffers is None or int(positions[0]) != cache.length:
+        return None if buffers is None or int(positions[0]) != cache.length else buffers
+
+    def _qk_norms(self, w: Weights) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]) if self.a.qk_norm else (None, None)
+
+    def decode_block(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """A one-token step's attention block in one native call (kernels/native/layer_cpu.cpp): x + attention of
+        input_norm(x), its post_norm, and on a MoE layer the router's logits. It makes the calls attention(),
+        post_norm() and route()'s product make, in their order, so the bits are theirs; what it saves is ~150 us
+        of Python a layer. None where one of them would not take a native kernel: the caller then runs them."""
+        kernels = decode_kernels.active.get()
+        if not self._standard_block:
             return None
-        q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES)
+        buffers = self._one_row_buffers(kernels, layer, x, positions, cache, mask)
+        anchor = w.get(QKV_WEIGHTS[0], w.get(QKV_WEIGHTS[0] + W))
+        if buffers is None or anchor is None:
+            return None
+        forms = self._block_forms.get(anchor, lambda: self._block_forms_of(kernels, layer, w))
+        if forms is None:
+            return None
+        input_norm, post_norm, qkv, q_norm, k_norm, o_proj, router = forms
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]) if self.a.qk_norm else (None, None)
-        return kernels.module.attend_one(q.contiguous(), k.contiguous(), v.contiguous(), *norms, s.rms_norm_eps,
-                                         cos, sin, *buffers, cache.length, s.head_dim ** -0.5)
+        s = self.s
+        out, h, logits = kernels.module.attention_block(x.contiguous(), input_norm, post_norm, s.rms_norm_eps, qkv,
+                                                        q_norm, k_norm, cos, sin, *buffers, cache.length,
+                                                        s.head_dim ** -0.5, o_proj, router)
+        return out, h, logits if router else None
+
+    def _block_forms_of(self, kernels, layer: int, w: Weights) -> tuple | None:
+        """decode_block's weights as the native kernels take them (DecodeKernels.form), or None where one has a
+        bias or takes torch's path, or q, k and v do not share one kernel (DecodeKernels.linears would split)."""
+        names = [*QKV_WEIGHTS, "self_attn.o_proj.weight"] + (["router"] if self.is_moe(layer) else [])
+        if any(w.get(bias) is not None for bias in (*QKV_BIASES, "self_attn.o_proj.bias")):
+            return None
+        forms = [kernels.form(w, name) for name in names]
+        norms = [w.get("input_layernorm.weight"), w.get("post_attention_layernorm.weight")]
+        if None in forms or any(n is None or n.dtype is not torch.bfloat16 or not n.is_contiguous() for n in norms):
+            return None
+        if len({len(f) == 1 for f in forms[:3]}) != 1:  # plain and int mixed
+            return None
+        return (*norms, forms[:3], *self._qk_norms(w), forms[3], forms[4] if len(forms) > 4 else [])
 
     def project_qkv(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,8 +236,11 @@ class StandardOps:
     def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         return mlp(w, x, "mlp.", self.act)
 
-    def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, w, "router")
+    def route(self, layer: int, w: Weights, x: torch.Tensor, logits: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [T, k], weights [T, k]) of x; `logits`: the router's product of x, where decode_block made it."""
+        if logits is None:
+            logits = linear(x, w, "router")
         return softmax_topk(logits, self.s.num_experts_per_tok, self.a.norm_topk_prob)
 
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:

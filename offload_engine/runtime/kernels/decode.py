@@ -66,6 +66,14 @@ class DecodeKernels:
             return None
         return int_experts.kernel_parts(form)
 
+    def form(self, w, name: str) -> list[torch.Tensor] | None:
+        """Weight `name` of unit `w` as the native kernels take it for a decode step's row, where its shape and form
+        chose them: [weight] (plain bf16) or its int8 / int4 kernel parts; None where it takes torch's path."""
+        plain = w.get(name)
+        if plain is not None:
+            return [plain] if self._plain_chosen(plain) else None
+        return self._int_parts(w, name) if self.native_int else None
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """x @ weight.T by the native kernel where it was chosen for this shape, else None (x [..., in]: the
         leading dimensions of a prefill's rows where plain_rows takes them)."""
