@@ -144,7 +144,8 @@ def test_llama_peer_smoke(quick_bf16, tmp_path):
 
 def test_decode_profile_splits_a_token_into_native_ops_and_the_rest(quick_bf16, tmp_path):
     """tools/decode_profile.py: per-token wall time of each native kernel (where the CPU has them) and the
-    prefill rate, as a table and JSON; the native ops' sum never exceeds the token's time."""
+    prefill rate, as a table and JSON. (Both are differences of two requests: over 6 tokens noise may put the
+    native sum above the token's time, so only their signs are checked.)"""
     from tools import decode_profile
 
     out = tmp_path / "p.json"
@@ -152,6 +153,7 @@ def test_decode_profile_splits_a_token_into_native_ops_and_the_rest(quick_bf16, 
                                 "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["prefill_tokens"] == 24
-    assert 0 <= r["native_ms_per_token"] <= r["ms_per_token"]
-    if r["isa"] is not None:  # bf16 on the engine's kernels: the experts' grouped call is among the ops
-        assert r["dtype"] == "bfloat16" and "experts" in r["native_ops"]
+    assert r["native_ms_per_token"] >= 0 and r["ms_per_token"] > 0
+    if r["isa"] is not None:  # bf16 on the engine's kernels: a layer's experts in one call (moe_row, or experts
+        # where the native kernels were measured slower for the layer's shapes and only some ops take them)
+        assert r["dtype"] == "bfloat16" and {"moe_row", "experts"} & set(r["native_ops"])

@@ -159,8 +159,8 @@ class CausalLM:
                 # native kernels; otherwise one op at a time (the same bits either way)
                 block = ops.decode_block(layer, w, x, positions, cache, mask) if self.kernels is not None else None
                 if block is None:
-                    x, h, logits = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask), \
-                        None, None
+                    x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
+                    h = logits = None
                 else:
                     x, h, logits = block
                 after_attention = x

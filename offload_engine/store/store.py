@@ -212,12 +212,15 @@ class TieredStore:
             slots = [resident.get(key) for key in keys]
             if any(slot is None or slot.loading is not None for slot in slots):
                 return None
-            views = [self._views(slot, key) for slot, key in zip(slots, keys)]
             tick = self.evictor.tick
             self.evictor.tick += len(keys)
             for i, key in enumerate(keys):
                 self._take(key, tick + 1 + i)
-        return views
+        try:  # outside the lock, as acquire builds them (a unit's first views may build its kernel forms)
+            return [self._views(slot, key) for slot, key in zip(slots, keys)]
+        except BaseException:
+            self.release(keys)
+            raise
 
     def _take(self, key: UnitKey, tick: int) -> Slot | None:
         """The compute tier's landed copy of `key`, referenced, stamped at `tick` and counted as a hit; None where
@@ -394,7 +397,8 @@ class TieredStore:
                 "peak_bytes": {"device": peak.get("device", 0), "host": peak.get("host", 0)},
                 "reads_in_flight": self.stats.read_busy.active,
                 # units given kernel forms (in place: in their own slots); declined: dequantized for want of room
-                "kernel_units": (self.prepared or Prepared(None, self.ledger)).counts()}
+                "kernel_units": (self.prepared.counts() if self.prepared
+                                 else dict.fromkeys(("built", "in_place", "declined"), 0))}
 
     def slot_states(self) -> list[SlotState]:
         """Every slot of every tier as it is now (taken under the store's lock: a consistent picture)."""
