@@ -11,29 +11,12 @@
 // these kernels.
 #include "ops.h"
 
-#include "bf16_util.h"
-
 namespace {
-
-using offload_native::bf16;
-using offload_native::to_bf16;
-using offload_native::to_float;
 
 bool plain(const std::vector<torch::Tensor>& form) { return form.size() == 1; }
 
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& form) {
   return plain(form) ? ::linear(x, form[0]) : ::int_linear(x, form);  // ::linear, not torch::linear
-}
-
-// x + y for one row in bf16, rounded as torch's bf16 add rounds it (the residual add)
-torch::Tensor add_rows(const torch::Tensor& x, const torch::Tensor& y) {
-  TORCH_CHECK(x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous(), "residual add: shapes differ");
-  auto out = torch::empty_like(x);
-  const bf16* a = reinterpret_cast<const bf16*>(x.data_ptr());
-  const bf16* b = reinterpret_cast<const bf16*>(y.data_ptr());
-  bf16* o = reinterpret_cast<bf16*>(out.data_ptr());
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) o[i] = to_bf16(to_float(a[i]) + to_float(b[i]));
-  return out;
 }
 
 }  // namespace
@@ -60,7 +43,8 @@ std::vector<torch::Tensor> attention_block(const torch::Tensor& x, const torch::
   }
   const auto attended = attend_one(proj[0], proj[1], proj[2], q_norm, k_norm, eps, cos, sin, k_cache, v_cache,
                                    start, scale);
-  auto out = add_rows(x, project(attended, o_proj));
+  // the residual add: combine_add of the one part is torch's bf16 x + y (0 + y is y exactly)
+  auto out = combine_add(x, {project(attended, o_proj)}, std::nullopt);
   auto normed = rms_norm_rows(out, post_norm, eps);
   auto logits = router.empty() ? torch::Tensor() : project(normed, router);
   return {out, normed, logits};
