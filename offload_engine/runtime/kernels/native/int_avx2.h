@@ -4,8 +4,9 @@
 //   int8  VPMADDWD on 16-bit values: the weight sign-extended, x^'s digits joined (16 q + r, |.| <= 2040), so one
 //         multiply takes both digits and the weight needs no offset: y = s * sum_blocks dot(q, x^) - S t
 //   int4  the pack in torch's AVX2 layout (32-row blocks); VPMADDUBSW (unsigned nibble x signed digit, pairs
-//         summed in 16 bits: at most 2 * 15 * 127) then VPMADDWD (x16 for q, x1 for r) into int32; four k's bytes
-//         are regrouped into one 32-bit lane per row (an unpack, a permute and a shuffle: AVX2's VPERMT2B).
+//         summed in 16 bits: at most 2 * 15 * 127), summed in 16 bits over a block, then VPMADDWD (x16 for q, x1
+//         for r) into int32 once per block; four k's bytes are regrouped into one 32-bit lane per row (an unpack,
+//         a permute and a shuffle: AVX2's VPERMT2B), and prepare stores x's q and r digits in that order.
 #pragma once
 
 #include <immintrin.h>
@@ -66,8 +67,9 @@ inline void prepare(Act& a, const bf16* x, int64_t ldx, int64_t M, int64_t K, in
       int32_t total = 0;  // past n: zeros (the copy was zero-filled)
       const int64_t at = m * a.Kp + k0;
       for (int64_t i = 0; i < n; ++i) {
-        a.q[at + i] = static_cast<int8_t>(qi[i]);
-        a.r[at + i] = static_cast<int8_t>(ri[i]);
+        const int64_t swapped = i % 4 == 1 || i % 4 == 2 ? i ^ 3 : i;  // int4_block's order: (k, k+2, k+1, k+3)
+        a.q[at + swapped] = static_cast<int8_t>(qi[i]);
+        a.r[at + swapped] = static_cast<int8_t>(ri[i]);
         a.x16[at + i] = static_cast<int16_t>(16 * qi[i] + ri[i]);
         total += 16 * qi[i] + ri[i];
       }
@@ -131,13 +133,8 @@ void int8_rows(const Form& f, const Act& a, int64_t m0, int64_t n, bf16* out, in
 // Four k's bytes become one 32-bit lane per byte i, in the order (k, k + 2, k + 1, k + 3) (a byte unpack of k, k + 1
 // against k + 2, k + 3, then a qword permute and a byte shuffle to pair each row's halves): vector 2 j + h holds
 // in lane l the row row_of(j, h, l), bytes 8 j + l, low nibbles (h = 0) or high ones (h = 1, 16 rows on); x's
-// four digits are taken in the same order.
+// four digits are stored in the same order (prepare).
 constexpr int row_of(int j, int h, int l) { return 8 * j + l + 16 * h; }
-
-inline int32_t middle_swapped(int32_t four) {  // bytes (x0, x1, x2, x3) -> (x0, x2, x1, x3)
-  const uint32_t v = static_cast<uint32_t>(four), t = ((v >> 8) ^ (v >> 16)) & 0xFF;
-  return static_cast<int32_t>(v ^ (t << 8) ^ (t << 16));
-}
 
 // rows [r0, r0 + rows) of the projection for row m of x, from a block's bytes (base: byte (k, i) at base[16 k + i])
 inline void int4_block(const Form& f, const Act& a, int64_t m, const uint8_t* base, int64_t r0, int rows, bf16* out,
@@ -157,31 +154,35 @@ inline void int4_block(const Form& f, const Act& a, int64_t m, const uint8_t* ba
     for (int line = 0; line < 2; ++line) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
     for (int v = 0; v < 4; ++v) gsum[v] = _mm256_setzero_ps();
     for (int64_t k0 = group * g; k0 < (group + 1) * g; k0 += kBlock) {
-      __m256i acc[4];
-      for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_si256();
+      // a block's products summed in 16 bits, exactly: each maddubs lane is two products of one row, at most
+      // 2 * 15 * 127 = 3810 for q (8 steps: 30480 < 2^15) and 2 * 15 * 8 for r; widened once per block
+      __m256i acc_q[4], acc_r[4];
+      for (int v = 0; v < 4; ++v) acc_q[v] = acc_r[v] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + kBlock; k += 4) {
         const uint8_t* p = base + 16 * k;
         _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (hints never fault)
         const __m256i b01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         const __m256i b23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
         const __m256i mixed[2] = {_mm256_unpacklo_epi8(b01, b23), _mm256_unpackhi_epi8(b01, b23)};
-        int32_t four_q, four_r;
+        int32_t four_q, four_r;  // x's digits at k..k+3, stored by prepare in the lanes' order
         std::memcpy(&four_q, xq_row + k, sizeof four_q);
         std::memcpy(&four_r, xr_row + k, sizeof four_r);
-        const __m256i xq = _mm256_set1_epi32(middle_swapped(four_q)), xr = _mm256_set1_epi32(middle_swapped(four_r));
+        const __m256i xq = _mm256_set1_epi32(four_q), xr = _mm256_set1_epi32(four_r);
         for (int j = 0; j < 2; ++j) {
           const __m256i quad = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mixed[j], 0xD8), pairs_of_rows);
           const __m256i nibbles[2] = {_mm256_and_si256(quad, nibble),
                                       _mm256_and_si256(_mm256_srli_epi16(quad, 4), nibble)};
-          for (int h = 0; h < 2; ++h) {  // 16 dot(q) + dot(r) over these 4 k's, one int32 per row
-            const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles[h], xq), sixteen),
-                                               _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles[h], xr), one));
-            acc[2 * j + h] = _mm256_add_epi32(acc[2 * j + h], d);
+          for (int h = 0; h < 2; ++h) {
+            acc_q[2 * j + h] = _mm256_add_epi16(acc_q[2 * j + h], _mm256_maddubs_epi16(nibbles[h], xq));
+            acc_r[2 * j + h] = _mm256_add_epi16(acc_r[2 * j + h], _mm256_maddubs_epi16(nibbles[h], xr));
           }
         }
       }
       const __m256 sx = _mm256_set1_ps(a.block_scale(m, k0 / kBlock));
-      for (int v = 0; v < 4; ++v) gsum[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v]), sx, gsum[v]);
+      for (int v = 0; v < 4; ++v) {  // 16 dot(q) + dot(r) over the block, one int32 per row (a lane's two halves)
+        const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(acc_q[v], sixteen), _mm256_madd_epi16(acc_r[v], one));
+        gsum[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sx, gsum[v]);
+      }
     }
     const int32_t* pairs = reinterpret_cast<const int32_t*>(f.s + group * f.N * 2) + r0;  // (scale, zero) per row
     if (rows < 32) {

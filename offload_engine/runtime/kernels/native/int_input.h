@@ -17,6 +17,7 @@ constexpr int64_t kChunk = 64;  // inputs per VPDPBUSD (two blocks: lanes 0-7 an
 
 struct Act {  // a projection's input as two int8 digits per block of 32, and the sums of x^ per group
   std::vector<int8_t> q, r;  // [M, Kp] each: Kp = K rounded up to kChunk, zero after K (x^ = (16 q + r) * scale)
+  //   (AVX2: each 4 k's in the order k, k + 2, k + 1, k + 3: int_avx2.h's int4 lanes)
   std::vector<int16_t> x16;  // [M, Kp]: 16 q + r (the AVX2 int8 kernel multiplies it with VPMADDWD; else empty)
   std::vector<float> lanes;  // [M, Kp / kChunk, 16]: each chunk's two block scales, one per VPDPBUSD lane
   std::vector<float> sums;  // [M, G]
