@@ -91,17 +91,8 @@ void int8_rows(const Form& f, const Act& a, int64_t m0, int64_t n, bf16* out, in
     const int64_t K = f.K;
     const int8_t* w = f.q8 + n * K;
     const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * NB * K);  // as int_avx512.h
-    alignas(16) int8_t tail[NB][kBlock];  // the last block past K: zero-padded copies (x's digits are 0 there)
-    for (int64_t k = 0; k < K; k += kBlock) {
-      const int8_t* wk[NB];
-      for (int r = 0; r < NB; ++r) {
-        wk[r] = w + r * K + k;
-        if (K - k < kBlock) {
-          std::memset(tail[r], 0, kBlock);
-          std::memcpy(tail[r], wk[r], K - k);
-          wk[r] = tail[r];
-        }
-      }
+    // one block of 32 k's at k, the NB rows' bytes at wk[r] (the last block: zero-padded copies)
+    auto block = [&](const int8_t* const* wk, int64_t k) __attribute__((always_inline)) {
       __m256i xl[MB], xh[MB];
       __m256 xs[MB];
       for (int m = 0; m < MB; ++m) {
@@ -118,6 +109,20 @@ void int8_rows(const Form& f, const Act& a, int64_t m0, int64_t n, bf16* out, in
           acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xs[m], acc[r][m]);
         }
       }
+    };
+    const int64_t full = K / kBlock * kBlock;
+    const int8_t* wk[NB];
+    for (int64_t k = 0; k < full; k += kBlock) {
+      for (int r = 0; r < NB; ++r) wk[r] = w + r * K + k;
+      block(wk, k);
+    }
+    if (full < K) {
+      alignas(16) int8_t tail[NB][kBlock] = {};  // x's digits are 0 past K
+      for (int r = 0; r < NB; ++r) {
+        std::memcpy(tail[r], w + r * K + full, K - full);
+        wk[r] = tail[r];
+      }
+      block(wk, full);
     }
     for (int r = 0; r < NB; ++r) {
       const float s = to_float(f.s[n + r]), t = f.t != nullptr ? to_float(f.t[n + r]) : 0.0f;
