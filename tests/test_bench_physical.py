@@ -154,6 +154,8 @@ def test_decode_profile_splits_a_token_into_native_ops_and_the_rest(quick_bf16, 
     r = json.loads(out.read_text())
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["prefill_tokens"] == 24
     assert r["native_ms_per_token"] >= 0 and r["ms_per_token"] > 0
-    if r["isa"] is not None:  # bf16 on the engine's kernels: a layer's experts in one call (moe_row, or experts
-        # where the native kernels were measured slower for the layer's shapes and only some ops take them)
-        assert r["dtype"] == "bfloat16" and {"moe_row", "experts"} & set(r["native_ops"])
+    if r["isa"] is not None:  # bf16 on the engine's kernels: every layer in one call (resident: the decode plan),
+        # or a layer's experts in one (moe_row, or experts where the native kernels were measured slower for the
+        # layer's shapes and only some ops take them)
+        assert r["dtype"] == "bfloat16" and {"DecodePlan.run", "moe_row", "experts"} & set(r["native_ops"])
+        assert r["decode_plan"] == ("DecodePlan.run" in r["native_ops"])

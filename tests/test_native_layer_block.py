@@ -44,6 +44,7 @@ def test_one_call_blocks_give_the_bits_of_the_kernels_one_by_one(arch: str, quan
     def counted(real, name):
         return lambda *a: (lambda r: taken[name].append(r is not None) or r)(real(*a))
     with Engine.open(path, max_context=64) as engine:
+        engine.model.layer_loop_only()  # not all layers in one call (test_decode_plan.py)
         monkeypatch.setattr(base.StandardOps, "decode_block", counted(base.StandardOps.decode_block, "block"))
         monkeypatch.setattr(model.CausalLM, "moe_row", counted(model.CausalLM.moe_row, "moe_row"))
         ours = decode_logits(engine)

@@ -25,10 +25,14 @@ SHORT = 8  # new tokens of the request whose time is subtracted (prefill and set
 
 
 class TimedModule:
-    """The native kernels' module with every call timed into `seconds` / `calls` (by function name)."""
+    """The native kernels' module (or the native decode plan) with every call timed into `seconds` / `calls` (by
+    function name, after `prefix`)."""
 
-    def __init__(self, module) -> None:
-        self._module = module
+    def __init__(self, module, prefix: str = "", seconds=None, calls=None) -> None:
+        self._module, self._prefix = module, prefix
+        if seconds is not None:  # sharing another's tallies
+            self.seconds, self.calls = seconds, calls
+            return
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
 
@@ -42,8 +46,8 @@ class TimedModule:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
+                self.seconds[self._prefix + name] += time.perf_counter() - start
+                self.calls[self._prefix + name] += 1
         return timed
 
 
@@ -60,16 +64,23 @@ def _timed_run(engine: Engine, prompt: list[int], steps: int, timed: TimedModule
     return wall, {k: v - seconds.get(k, 0.0) for k, v in timed.seconds.items()}, timed.calls - calls
 
 
-def profile(model: str, tokens: int, prompt_len: int) -> dict:
+def profile(model: str, tokens: int, prompt_len: int, layer_loop: bool = False) -> dict:
     """Decode figures are the difference of two requests, SHORT and SHORT + tokens new tokens of one prompt: the
-    prompt's prefill and the request's set-up cancel out, what is left is `tokens` decode steps."""
+    prompt's prefill and the request's set-up cancel out, what is left is `tokens` decode steps. A resident model
+    decodes its layers in one native call (runtime/decode_plan.py: `DecodePlan.run`); layer_loop: without it, the
+    layer loop's calls one by one."""
     prompt = [5 + (7 * i) % 1000 for i in range(prompt_len)]
     with Engine.open(model, max_context=prompt_len + SHORT + tokens + 8) as engine:
         engine.generate(prompt[:16], max_new_tokens=tokens, ignore_eos=True)  # warm: kernel forms, choices
-        kernels = engine.model.kernels
+        kernels, plan = engine.model.kernels, engine.model.decode_plan
         timed = None
+        if layer_loop:
+            engine.model.layer_loop_only()
+            plan = None
         if kernels is not None:
             timed = kernels.module = TimedModule(kernels.module)
+        if plan is not None:
+            plan.native = TimedModule(plan.native, "DecodePlan.", timed.seconds, timed.calls)
         short_s, short_native, short_calls = _timed_run(engine, prompt[:16], SHORT, timed)
         long_s, long_native, long_calls = _timed_run(engine, prompt[:16], SHORT + tokens, timed)
         per_token = (long_s - short_s) / tokens
@@ -78,12 +89,14 @@ def profile(model: str, tokens: int, prompt_len: int) -> dict:
                for name, s in sorted(long_native.items(), key=lambda kv: -kv[1])}
         if timed is not None:
             kernels.module = timed._module
+        if plan is not None:
+            plan.native = plan.native._module
         start = time.perf_counter()
         engine.logits(prompt)
         prefill = time.perf_counter() - start
         return {"model": model, "dtype": str(engine.dtype).replace("torch.", ""),
                 "isa": None if kernels is None else kernels.describe()["isa"], "tokens": tokens,
-                "decode_tok_s": 1 / per_token, "ms_per_token": per_token * 1e3, "native_ops": ops,
+                "decode_plan": plan is not None, "decode_tok_s": 1 / per_token, "ms_per_token": per_token * 1e3, "native_ops": ops,
                 "native_ms_per_token": sum(o["ms_per_token"] for o in ops.values()),
                 "prefill_tokens": prompt_len, "prefill_tok_s": prompt_len / prefill}
 
@@ -93,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="Hugging Face folder")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prefill")
+    ap.add_argument("--layer-loop", action="store_true",
+                    help="decode through the layer loop even where one native call takes all layers (the split "
+                         "per block: attention_block, moe_row, ...)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    r = profile(args.model, args.tokens, args.prompt_len)
+    r = profile(args.model, args.tokens, args.prompt_len, args.layer_loop)
     print(f"{r['model']}: {r['dtype']}, kernels {r['isa'] or 'torch'}: {r['decode_tok_s']:.1f} tok/s decode "
           f"({r['ms_per_token']:.2f} ms/token), prefill {r['prefill_tok_s']:.0f} tok/s over {r['prefill_tokens']}")
     print(f"{'native op':18s} {'ms/token':>9s} {'calls/token':>12s}")

@@ -12,6 +12,7 @@ from ..checkpoint.naming import UnitKey
 from ..checkpoint.stage import Stage
 from ..constants import PREFILL_CHUNK
 from ..errors import BudgetError, out_of_memory_as_error
+from . import decode_plan
 from .arch import build_ops
 from .arch.base import LayerOps
 from .kernels.decode import MAX_ROWS, DecodeKernels, using
@@ -59,6 +60,10 @@ class CausalLM:
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
         self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # a decode step through all layers in one native call where the weights never move (decode_plan.py):
+        # built on the first one-row step; None where the model does not fit
+        self.decode_plan: decode_plan.DecodePlan | None = None
+        self._plan_built = False
 
     def snapshot(self) -> dict:
         """The model's own counters, for stats: time the compute thread spent on host-computed experts."""
@@ -69,6 +74,11 @@ class CausalLM:
             raise BudgetError("kv-cache", max_tokens, self.max_context,
                               hint="prompt + max_new_tokens exceed the context reserved; pass a larger max_context")
         return KVCache(self.num_layers, max_tokens, self.device, kv_dtype=self.kv_dtype)
+
+    def layer_loop_only(self) -> None:
+        """Decode through the layer loop from now on, never all layers in one call (what tests and
+        tools/decode_profile.py compare the decode plan with)."""
+        self.decode_plan, self._plan_built = None, True
 
     def _unit(self, key: UnitKey):
         return hold(self.source, key)
@@ -151,6 +161,13 @@ class CausalLM:
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
                 ) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0] == 1:
+            if not self._plan_built:
+                self._plan_built = True
+                self.decode_plan = decode_plan.build(self)
+            out = None if self.decode_plan is None else self.decode_plan.run(self, x, positions, cache, mask)
+            if out is not None:
+                return out
         ops = self.ops
         prefetcher = self.prefetcher
         for layer in self.layers:

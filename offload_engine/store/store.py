@@ -222,6 +222,12 @@ class TieredStore:
             self.release(keys)
             raise
 
+    def count_uses(self, n: int) -> None:
+        """n uses of pinned compute-tier units made without acquiring them (runtime/decode_plan.py: pinned units
+        never move), counted as hits as `acquire` counts them."""
+        with self._lock:
+            self.stats.hits[self.compute.name] += n
+
     def _take(self, key: UnitKey, tick: int) -> Slot | None:
         """The compute tier's landed copy of `key`, referenced, stamped at `tick` and counted as a hit; None where
         it is absent or still being read. Call with the lock held."""

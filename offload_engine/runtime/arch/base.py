@@ -147,10 +147,10 @@ class StandardOps:
     def _native_step(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
         """A one-token decode step's attention between the projections in one native call (QK-norm, RoPE, the
-        cache write, attention over every position: kernels/native/decode_cpu.cpp) where `_one_row_buffers`
+        cache write, attention over every position: kernels/native/decode_cpu.cpp) where `one_row_buffers`
         allows it; None otherwise (the torch path)."""
         kernels = decode_kernels.active.get()
-        buffers = self._one_row_buffers(kernels, layer, x, positions, cache, mask)
+        buffers = self.one_row_buffers(kernels, layer, x, positions, cache, mask)
         if buffers is None:
             return None
         q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES)
@@ -159,7 +159,7 @@ class StandardOps:
                                          self.s.rms_norm_eps, cos, sin, *buffers, cache.length,
                                          self.s.head_dim ** -0.5)
 
-    def _one_row_buffers(self, kernels, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def one_row_buffers(self, kernels, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                          mask: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
         """The layer's cache buffers a native one-token step writes its entry into, where the native kernels are on,
         the step is bf16 on the CPU, sees every cached position and the cache stores bf16 as given; else None.
@@ -184,11 +184,8 @@ class StandardOps:
         kernels = decode_kernels.active.get()
         if not self._standard_block:
             return None
-        buffers = self._one_row_buffers(kernels, layer, x, positions, cache, mask)
-        anchor = w.get(QKV_WEIGHTS[0], w.get(QKV_WEIGHTS[0] + W))
-        if buffers is None or anchor is None:
-            return None
-        forms = self._block_forms.get(anchor, lambda: self._block_forms_of(kernels, layer, w))
+        buffers = self.one_row_buffers(kernels, layer, x, positions, cache, mask)
+        forms = None if buffers is None else self.block_forms(kernels, layer, w)
         if forms is None:
             return None
         input_norm, post_norm, qkv, q_norm, k_norm, o_proj, router = forms
@@ -198,6 +195,15 @@ class StandardOps:
                                                         q_norm, k_norm, cos, sin, *buffers, cache.length,
                                                         s.head_dim ** -0.5, o_proj, router)
         return out, h, logits if router else None
+
+    def block_forms(self, kernels, layer: int, w: Weights) -> tuple | None:
+        """decode_block's weights of `layer` (its dense unit `w`), resolved once per fill of the unit: (input norm,
+        post norm, [q, k, v forms], q norm, k norm, o_proj form, router form or []); None where the block is not
+        this class's or a weight takes another path."""
+        anchor = w.get(QKV_WEIGHTS[0], w.get(QKV_WEIGHTS[0] + W))
+        if not self._standard_block or anchor is None:
+            return None
+        return self._block_forms.get(anchor, lambda: self._block_forms_of(kernels, layer, w))
 
     def _block_forms_of(self, kernels, layer: int, w: Weights) -> tuple | None:
         """decode_block's weights as the native kernels take them (DecodeKernels.form), or None where one has a

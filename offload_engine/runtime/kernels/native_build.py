@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decode_cpu.cpp", "layer_cpu.cpp",
-                                           "bindings.cpp"))
+                                           "decode_plan.cpp", "bindings.cpp"))
 HEADERS = tuple(NATIVE / name for name in ("ops.h", "bf16_util.h", "int_input.h", "bf16_dot_avx512.h",
                                            "bf16_dot_avx2.h", "int_avx512.h", "int_avx2.h"))
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic

@@ -14,4 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_add", &combine_add, "x + the experts' parts summed in the given order (+ shared), one row");
   m.def("moe_row", &moe_row, "residual + one row's routed experts summed in the given order (+ shared)");
   m.def("attention_block", &attention_block, "a decode step's norm, q/k/v, attention, o_proj, residual, norm, router");
+  pybind11::class_<DecodePlan>(m, "DecodePlan", "a resident model's one-token decode step over all its layers")
+      .def(pybind11::init<double, double, int64_t, bool>())
+      .def("add_layer", &DecodePlan::add_layer, "the next layer's norms, attention and router forms, its experts'")
+      .def("run", &DecodePlan::run, "x [1, H] through every layer -> {x, the routed experts [layers, top_k]}")
+      .def_property_readonly("layers", &DecodePlan::layers);
 }
