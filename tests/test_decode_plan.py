@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from offload_engine import Budget, Engine
+from offload_engine.planner import costs
 from offload_engine.runtime import decode_plan
+from offload_engine.runtime.arch import OPS
 from offload_engine.runtime.kernels import native_build
 
 from test_native_layer_block import decode_logits
@@ -68,3 +70,8 @@ def test_the_native_plan_checks_its_layers() -> None:
         plan.add_layer(ones, ones, [[w]] * 3, None, None, [w], [w], [[w]], [[w]], [[w]])
     with pytest.raises(RuntimeError, match="one k and v cache per layer"):
         plan.run(torch.zeros(1, 64).bfloat16(), [torch.zeros(1)], [], ones, ones, 0)
+
+
+def test_the_planner_names_the_architectures_the_plan_takes() -> None:
+    """planner/costs.py ONE_CALL_ARCHS (the planner may not import the runtime) against the ops classes."""
+    assert costs.ONE_CALL_ARCHS == {name for name, ops in OPS.items() if ops.keeps_standard_block()}

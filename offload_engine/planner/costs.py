@@ -11,7 +11,9 @@ A1 Decode is memory-bound at batch 1: computing a unit costs max(bytes / weight 
    on the CPU engine). Attention also reads the KV cache. A CPU computing a bf16 checkpoint's plain experts runs
    the engine's native kernels (runtime/kernels/decode.py; a CPU that multiplies bf16 natively is assumed, as for
    the KV cache's itemsize): a layer's resident routed experts go in one call, so an expert costs
-   NATIVE_EXPERT_OPS instead of its OPS_PER_UNIT.
+   NATIVE_EXPERT_OPS instead of its OPS_PER_UNIT. Where the whole model is pinned on such a CPU (nothing
+   streams) and its architecture keeps the standard block with routed experts alone (ONE_CALL_ARCHS), a step's
+   layers go in one native call (runtime/decode_plan.py): dense and expert units cost their bytes only.
 A2 A unit missing from the compute tier crosses one link per tier: host -> device (PCIe on a GPU box, a RAM
    copy on a CPU engine with --vram) if it is in RAM, disk -> host -> device otherwise. A disk read costs
    nvme_latency_us / READER_THREADS + bytes / nvme_gbps, plus bytes / ram_gbps with direct I/O for units that
@@ -61,6 +63,9 @@ OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # t
 # an expert's share of its layer's one native call (A1), fitted on the bf16 bench checkpoint the same day: 18.2
 # ms/token = 9.9 ms GEMV + the dense units' ops + 110 units' bookkeeping + ~0.7 op per expert
 NATIVE_EXPERT_OPS = 1.0
+# A1's one-call decode: the architectures whose runtime ops keep StandardOps' attention block and routing
+# (runtime/decode_plan.py arch_fits; tests/test_decode_plan.py checks the two agree)
+ONE_CALL_ARCHS = frozenset({"llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 ASSUMPTIONS = [" ".join(item.split()) for item in re.split(r"\n(?=A\d )", __doc__.split("(ASSUMPTIONS):")[1].strip())]
 
@@ -100,17 +105,20 @@ class Machine:
     cpu_flops: float
     cpu_op_us: float
     native_experts: bool = False  # A1: a CPU computing plain bf16 experts with the engine's grouped kernel
+    one_call: bool = False  # A1: a CPU decoding every layer in one native call (the whole model pinned)
 
     @classmethod
-    def of(cls, profile: HardwareProfile, separate_host: bool, native_experts: bool = False) -> "Machine":
-        """native_experts: the experts are plain bf16 (ignored with a GPU, whose experts the CPU does not compute)."""
+    def of(cls, profile: HardwareProfile, separate_host: bool, native_experts: bool = False,
+           one_call: bool = False) -> "Machine":
+        """native_experts: the experts are plain bf16; one_call: the layers of a step go in one native call (both
+        ignored with a GPU, whose layers the CPU does not compute)."""
         if profile.has_gpu:
             return cls("gpu", profile.gpu_mem_gbps, profile.gpu_tflops * 1e12, profile.gpu_op_us, profile.pcie_gbps,
                        profile.nvme_gbps, profile.nvme_latency_us, profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9,
                        profile.cpu_op_us)
         return cls("cpu", profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us,
                    profile.ram_gbps if separate_host else None, profile.nvme_gbps, profile.nvme_latency_us,
-                   profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us, native_experts)
+                   profile.cpu_gemv_gbps, profile.cpu_gflops * 1e9, profile.cpu_op_us, native_experts, one_call)
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,9 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
         read = f.unit_bytes if f.compute_bytes is None else f.compute_bytes
         per_unit = max(read / (m.weight_gbps * 1e9), 2 * f.unit_params * f.tokens / m.flops)
         ops = NATIVE_EXPERT_OPS if f.kind == "expert" and m.native_experts else OPS_PER_UNIT.get(f.kind, 8)
+        unit_ops = ENGINE_UNIT_OPS
+        if m.one_call and f.kind in ("dense", "expert"):  # no Python and no dispatch of their own
+            ops = unit_ops = 0.0
         on_cpu = host_compute and f.kind == "expert" and m.compute == "gpu"
         missing = f.uses * (f.p_host + f.p_disk)
         from_disk = f.uses * f.p_disk
@@ -219,11 +230,11 @@ def step_cost(flows: list[Flow], m: Machine, *, recall: float = DEFAULT_RECALL, 
         disk[side] += from_disk * f.unit_bytes
         reads[side] += from_disk
         compute += gpu_uses * per_unit
-        overhead += overhead_scale * (gpu_uses * ops * m.op_us + f.uses * ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
+        overhead += overhead_scale * (gpu_uses * ops * m.op_us + f.uses * unit_ops * m.cpu_op_us) * 1e-6
         if f.kind == "expert":
             expert_compute += gpu_uses * per_unit
             if not on_cpu:
-                per_use = per_unit + overhead_scale * (ops * m.op_us + ENGINE_UNIT_OPS * m.cpu_op_us) * 1e-6
+                per_use = per_unit + overhead_scale * (ops * m.op_us + unit_ops * m.cpu_op_us) * 1e-6
                 layers.append((f.groups, missing, f.uses, per_use, f.miss_hist))
 
     def link_s(side: str) -> tuple[float, float]:

@@ -85,6 +85,7 @@ class ModelShape:
     source: str  # "runtime" (the engine's own schema) or "planning-only"
     extra_params: dict[str, int] = field(default_factory=dict)  # e.g. a vision tower the text engine skips
     mtp_shared_params: int = 0  # embedding/head copies a checkpoint stores for MTP (shared with the trunk)
+    one_call: bool = False  # a resident CPU step may take all layers in one native call (costs.ONE_CALL_ARCHS)
     cache: dict = field(default_factory=dict, repr=False)  # derived figures, computed once per shape
 
     @property
@@ -141,7 +142,9 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         arch = get_naming(spec.model_type, spec.path or "config.json")
         args = arch.args(spec)
         mtp = arch.mtp_schema(args) if hasattr(arch, "mtp_schema") else ModelSchema()
-        shape = ModelShape(spec, arch.schema(args), mtp, "runtime")
+        routed_only = getattr(args, "routed_only", None)  # DecoderArgs' (the standard decoder's)
+        shape = ModelShape(spec, arch.schema(args), mtp, "runtime", one_call=(
+            arch.name in costs.ONE_CALL_ARCHS and routed_only is not None and routed_only()))
         if mtp.units and spec.get("num_nextn_predict_layers"):
             # DeepSeek-style releases store embed_tokens / shared_head.head copies in each MTP layer: counted as
             # parameters (DeepSeek-V3's 685 B = 671 B + 14 B), not placed (the trunk's are shared)
@@ -273,7 +276,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
         flows = step_flows(shape, placement, units, hits[scenario], m, drafts if use_mtp else 0, o)
         position = o.position if o.position is not None else o.context // 2
         steps[scenario] = costs.step_cost(
-            flows, costs.Machine.of(profile, separate_host, native_experts=itemsize == 2 and fmt.expert is None),
+            flows, costs.Machine.of(profile, separate_host, native_experts=itemsize == 2 and fmt.expert is None,
+                                    one_call=itemsize == 2 and not placement.streams and shape.one_call),
             recall=o.recall,
             host_compute=o.host_compute and profile.has_gpu,
             kv_read_bytes=kv.kv_read_bytes(spec, position, itemsize, o.kv_dtype),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.arch.base import DecoderArgs
 from ..checkpoint.naming import UnitKey
 from .arch.base import StandardOps
 from .kernels.int_experts import IntExpert
@@ -80,6 +81,12 @@ def build(model) -> DecodePlan | None:
     return DecodePlan(native, list(model.layers), len(model.layers) * (1 + s.num_experts_per_tok))
 
 
+def arch_fits(ops_class: type, args: DecoderArgs) -> bool:
+    """What the architecture fixes: a standard attention block with softmax top-k routing (StandardOps' own), no
+    shared experts, every layer a MoE layer (planner/costs.py ONE_CALL_ARCHS names the classes that keep it)."""
+    return issubclass(ops_class, StandardOps) and ops_class.keeps_standard_block() and args.routed_only()
+
+
 def _unfit(model) -> str | None:
     """Why the model's steps cannot take a plan, from what is fixed at open; None where they may."""
     ops, kernels, source = model.ops, model.kernels, model.source
@@ -88,10 +95,8 @@ def _unfit(model) -> str | None:
         return "no native expert kernels"
     if model.device.type != "cpu" or model.dtype is not torch.bfloat16:
         return "not a bf16 CPU model"
-    if not isinstance(ops, StandardOps) or ops.a.shared_intermediate_size:
-        return "not a standard attention block with softmax top-k routing and no shared experts"
-    if not all(ops.is_moe(layer) for layer in model.layers):
-        return "a dense layer"
+    if not arch_fits(type(ops), ops.a):
+        return "not a standard attention block with softmax top-k routing, no shared experts, MoE on every layer"
     if placement is None or not hasattr(source, "count_uses") or not {"dense", "expert"} <= set(
             placement.compute.pinned):
         return "the layers' units are not all pinned in the compute tier"

@@ -16,9 +16,11 @@ trips it after the timeout, and a warning naming the file and offset comes first
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Collection, Iterator
+
+import torch
 
 from ..errors import IOStallError
 
@@ -228,7 +232,26 @@ def _wake(q: queue.PriorityQueue, stop: threading.Event, n: int) -> None:
         q.put((-1, -1 - k, None, None, ""))
 
 
+def _one_openmp_thread() -> None:
+    """This thread's OpenMP regions on one thread: libgomp's omp_set_num_threads, whose setting is the calling
+    thread's own, after torch has set this thread up (its first parallel call sets the thread to torch's default).
+    Not torch.set_num_threads: it also changes that process-wide default, which threads set up later (the
+    compute team's) then take (measured: a resident bf16 token 12 -> 18 ms). Where no libgomp is loaded (another
+    OpenMP runtime, or none), nothing to do."""
+    torch.get_num_threads()  # torch's per-thread set-up, now rather than at this thread's first copy
+    try:
+        libgomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:  # not loaded: torch runs another OpenMP, or none
+        return
+    libgomp.omp_set_num_threads(1)
+
+
 def _work(q: queue.PriorityQueue, stop: threading.Event, current: dict, busy: BusyClock) -> None:
+    # A reader's torch copies (bounce buffer -> slot) run on its own thread. At torch's thread count each reader
+    # keeps a team of OpenMP workers; libgomp counts them against the cores and then throttles the compute team's
+    # spin-wait, whose workers sleep between a decode step's ~100 parallel regions: on 2 cores, ~140 context
+    # switches and 12.5 -> 16-20 ms a resident bf16 token with direct I/O (docs/PERF.md, session 24).
+    _one_openmp_thread()
     me = threading.get_ident()
     _PROGRESS[me] = time.monotonic()
     try:

@@ -29,6 +29,11 @@ class DecoderArgs:
     shared_intermediate_size: int = 0  # Qwen2-MoE shared expert (with a sigmoid gate)
     formats: WeightFormats | None = None  # a quantized checkpoint's formats (set by open_model)
 
+    def routed_only(self) -> bool:
+        """Every layer's feed-forward is routed experts alone (no dense MLP layer, no shared experts): what a
+        decode step through all layers in one native call takes (runtime/decode_plan.py)."""
+        return not self.shared_intermediate_size and set(range(self.spec.num_layers)) <= self.moe_layers
+
 
 def with_formats(a: DecoderArgs, schema: ModelSchema) -> ModelSchema:
     """`schema` with the checkpoint's quantized weights replaced by their stored components (MTP schemas, which

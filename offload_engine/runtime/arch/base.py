@@ -80,9 +80,14 @@ class StandardOps:
         self.dtype = dtype
         self._expert_forms: PerFill = PerFill()  # gated_silu's answer per expert unit fill
         self._block_forms: PerFill = PerFill()  # decode_block's weights per dense unit fill
-        # decode_block composes this class's own steps: a subclass with its own norm, attention or routing has none
-        self._standard_block = all(getattr(type(self), name) is getattr(StandardOps, name)
-                                   for name in ("norm", "input_norm", "post_norm", "attention", "route"))
+        self._standard_block = self.keeps_standard_block()
+
+    @classmethod
+    def keeps_standard_block(cls) -> bool:
+        """Whether the class keeps StandardOps' own norm, attention and routing: what decode_block composes (a
+        subclass with its own has none)."""
+        return all(getattr(cls, name) is getattr(StandardOps, name)
+                   for name in ("norm", "input_norm", "post_norm", "attention", "route"))
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Every layer's cache entry for one position (what the KV cache stores)."""
