@@ -54,11 +54,13 @@ from .hardware import HardwareProfile
 
 DEFAULT_ALPHA = 0.4
 DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router lookahead: 0.886 on Qwen3-30B-A3B)
-# engine bookkeeping per unit in small-op equivalents: re-fitted to the resident CPU engine on the fp32 bench
-# checkpoint (2026-12-06, 2 threads, probe: GEMV 23.54 GB/s, cpu_op_us 4.55): 31.6 ms/token, of which 19.7 ms GEMV
-# and 5.2 ms the units' own ops (OPS_PER_UNIT): the rest over 110 units, 61 us each: ~14 (80 when first fitted in
-# session 2, before the store's and the layer loop's overheads were cut; docs/CALIBRATION.md).
-ENGINE_UNIT_OPS = 14.0
+# engine bookkeeping per unit in small-op equivalents, on the layer loop (a budget that streams: the resident
+# one-call decode pays none, A1). Re-fitted 2026-12-07 (session 24) on the bf16 bench checkpoint at 25%, 2 threads,
+# probe cpu_op_us 3.15: predicted with the engine's measured hits 50.6 tok/s at 14 where it ran 35.9, ~8 ms a
+# token more; 38 (120 us a unit use: the acquire generator, its hand-over of each landing expert, release and the
+# prefetcher's bookkeeping) predicts 36.3 (docs/CALIBRATION.md). Earlier: 14 (2026-12-06, resident fp32, when
+# the resident loop still paid it), 80 (session 2).
+ENGINE_UNIT_OPS = 38.0
 OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
 # an expert's share of its layer's one native call (A1), fitted on the bf16 bench checkpoint the same day: 18.2
 # ms/token = 9.9 ms GEMV + the dense units' ops + 110 units' bookkeeping + ~0.7 op per expert
