@@ -65,7 +65,7 @@ def build(model) -> DecodePlan | None:
         log.debug("decode plan off: %s", why)
         return None
     ops: StandardOps = model.ops
-    kernels, source, s = model.kernels, model.source, ops.s
+    kernels, s = model.kernels, ops.s
     native = kernels.module.DecodePlan(s.rms_norm_eps, s.head_dim ** -0.5, s.num_experts_per_tok,
                                        bool(ops.a.norm_topk_prob))
     experts_of: dict[int, list[int]] = {}
