@@ -1,8 +1,10 @@
 """Which instruction set the native CPU kernels are built for (runtime/kernels/native_build.py): the best the CPU
 has, AVX-512 or AVX2, overridable for testing, each in its own cached build; a clear reason where neither fits.
-Nothing is compiled here: the kernels themselves are tested in test_native_*kernels.py on whichever build this
-machine takes."""
+The kernels themselves are tested in test_native_*kernels.py on whichever build this machine takes; the last test
+here makes sure that build loads (a compile error would otherwise only skip them)."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -51,3 +53,13 @@ def test_reasons_name_what_is_missing(cpu, monkeypatch) -> None:
     assert "OFFLOAD_ENGINE_NATIVE_ISA='neon' is not one of avx512, avx2" in native_build.supported()
     monkeypatch.setenv("OFFLOAD_ENGINE_NATIVE", "0")
     assert native_build.supported() == "OFFLOAD_ENGINE_NATIVE=0"
+
+
+def test_the_kernels_build_where_the_cpu_takes_them() -> None:
+    """A compile error in the sources must fail the suite, not turn every native test into a skip (the engine
+    then runs on torch's kernels, correct and several times slower). Only a missing toolchain may skip here."""
+    if native_build.supported() is not None:
+        pytest.skip(f"no native build on this machine: {native_build.supported()}")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    assert native_build.load() is not None, native_build.why_not()

@@ -27,40 +27,66 @@ namespace {
 
 using offload_native::bf16;
 using offload_native::dot_tile;
+using offload_native::kPrefetchTiles;
 using offload_native::to_bf16;
 using offload_native::to_float;
 constexpr int64_t kMaxRows = 16;  // rows of x per weight-row pass (accumulators kept in registers/L1)
 
 template <int R>
-inline void dot_rows(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, float* y) {
+inline void dot_rows(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, float* y,
+                     const char* ahead) {
   // y [R][kMaxRows]: x's rows 4 at a time (the R weight rows stay in L1 between passes)
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_tile<R, 4>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows);
+  for (; m + 4 <= M; m += 4) dot_tile<R, 4>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows, ahead);
   switch (M - m) {
-    case 3: dot_tile<R, 3>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
-    case 2: dot_tile<R, 2>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
-    case 1: dot_tile<R, 1>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows); break;
+    case 3: dot_tile<R, 3>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows, ahead); break;
+    case 2: dot_tile<R, 2>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows, ahead); break;
+    case 1: dot_tile<R, 1>(w, ldw, x + m * ldx, ldx, K, y + m, kMaxRows, ahead); break;
     default: break;
   }
 }
 
 // out[m][n] = bf16(sum_k W[n][k] x[m][k]) for n in [n0, n1): weight rows 4 at a time, each read once for all
-// of x's rows (M <= kMaxRows per pass)
+// of x's rows (M <= kMaxRows per pass). next: the first weight row this thread reads after these (another
+// matrix's, with as many columns), where the prefetch runs on past n1; null: none
 void gemv_block(const bf16* W, int64_t ldw, const bf16* x, int64_t ldx, int64_t M, int64_t K, bf16* out,
-                int64_t ldo, int64_t n0, int64_t n1) {
+                int64_t ldo, int64_t n0, int64_t n1, const bf16* next = nullptr) {
   // weight rows outer, x's rows inner: a tile of weight rows stays in L1 while every row of x passes (a prefill's
   // many rows read the weight once, not once per kMaxRows)
   float y[4][kMaxRows];
   for (int64_t n = n0; n < n1;) {
     const int R = n + 4 <= n1 ? 4 : 1;
+    const int64_t lead = n + kPrefetchTiles * R;  // the row kPrefetchTiles tiles on
+    const char* ahead = reinterpret_cast<const char*>(lead < n1 || next == nullptr ? W + lead * ldw
+                                                                                    : next + (lead - n1) * ldw);
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, M - m0);
-      if (R == 4) dot_rows<4>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0]);
-      else dot_rows<1>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0]);
+      if (R == 4) dot_rows<4>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0], ahead);
+      else dot_rows<1>(W + n * ldw, ldw, x + m0 * ldx, ldx, rows, K, &y[0][0], ahead);
       for (int r = 0; r < R; ++r)
         for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * ldo + n + r] = to_bf16(y[r][m]);
     }
     n += R;
+  }
+}
+
+struct Block {  // gemv_block's arguments: rows [a, b) of W times x into out
+  const bf16* W;
+  int64_t ldw;
+  const bf16* x;
+  int64_t ldx, M, K;
+  bf16* out;
+  int64_t ldo, a, b;
+};
+
+// one thread's blocks in order, each one's prefetch running on into the next one's first rows: the matrices a
+// thread reads in turn (an expert's gate, then its up, then the next expert's gate ...) lie apart in memory, and
+// each would otherwise start cold
+void run_in_order(const std::vector<Block>& blocks) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& k = blocks[i];
+    const bf16* next = i + 1 < blocks.size() ? blocks[i + 1].W + blocks[i + 1].a * blocks[i + 1].ldw : nullptr;
+    gemv_block(k.W, k.ldw, k.x, k.ldx, k.M, k.K, k.out, k.ldo, k.a, k.b, next);
   }
 }
 
@@ -103,13 +129,15 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<tor
     first[i + 1] = first[i] + Ws[i].size(0);
   }
   at::parallel_for(0, first[P], kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<Block> blocks;
     for (int64_t i = 0; i < P && r0 < r1; ++i) {
       const int64_t a = std::max(r0, first[i]), b = std::min(r1, first[i + 1]);
       if (a >= b) continue;
       const auto& W = Ws[i];
-      gemv_block(ptr(W), W.stride(0), ptr(x), x.stride(0), M, K, reinterpret_cast<bf16*>(out[i].data_ptr()),
-                 W.size(0), a - first[i], b - first[i]);
+      blocks.push_back({ptr(W), W.stride(0), ptr(x), x.stride(0), M, K, reinterpret_cast<bf16*>(out[i].data_ptr()),
+                        W.size(0), a - first[i], b - first[i]});
     }
+    run_in_order(blocks);
   });
   return out;
 }
@@ -142,6 +170,7 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
   }
   // gate and up rows of every expert: one parallel region over all of them
   at::parallel_for(0, first_gate[E], kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<Block> blocks;
     for (int64_t e = 0; e < E && r0 < r1; ++e) {
       int64_t a = std::max(r0, first_gate[e]), b = std::min(r1, first_gate[e + 1]);
       if (a >= b) continue;
@@ -149,10 +178,12 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
       for (const auto* pair : {&gates, &ups}) {
         const auto& W = (*pair)[e];
         auto& dst = pair == &gates ? g[e] : u[e];
-        gemv_block(ptr(W), W.stride(0), ptr(x), x.stride(0), x.size(0), x.size(1),
-                   reinterpret_cast<bf16*>(dst.data_ptr()), dst.size(1), a - first_gate[e], b - first_gate[e]);
+        blocks.push_back({ptr(W), W.stride(0), ptr(x), x.stride(0), x.size(0), x.size(1),
+                          reinterpret_cast<bf16*>(dst.data_ptr()), dst.size(1), a - first_gate[e],
+                          b - first_gate[e]});
       }
     }
+    run_in_order(blocks);
   });
   for (int64_t e = 0; e < E; ++e) {  // h = bf16(bf16(silu(g)) * u): I values per token, no need to split
     h[e] = torch::empty_like(g[e]);
@@ -162,13 +193,16 @@ std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const s
     for (int64_t i = 0, n = g[e].numel(); i < n; ++i) hp[i] = offload_native::silu_times(gp[i], up[i]);
   }
   at::parallel_for(0, first_down[E], kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<Block> blocks;
     for (int64_t e = 0; e < E && r0 < r1; ++e) {
       int64_t a = std::max(r0, first_down[e]), b = std::min(r1, first_down[e + 1]);
       if (a >= b) continue;
       const auto& W = downs[e];
-      gemv_block(ptr(W), W.stride(0), ptr(h[e]), h[e].stride(0), h[e].size(0), h[e].size(1),
-                 reinterpret_cast<bf16*>(out[e].data_ptr()), out[e].size(1), a - first_down[e], b - first_down[e]);
+      blocks.push_back({ptr(W), W.stride(0), ptr(h[e]), h[e].stride(0), h[e].size(0), h[e].size(1),
+                        reinterpret_cast<bf16*>(out[e].data_ptr()), out[e].size(1), a - first_down[e],
+                        b - first_down[e]});
     }
+    run_in_order(blocks);
   });
   for (int64_t e = 0; e < E; ++e) {  // the routing weight, rounded as torch's bf16 multiply rounds it
     TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0),

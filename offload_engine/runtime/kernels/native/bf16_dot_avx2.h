@@ -11,7 +11,7 @@
 
 namespace offload_native {
 
-constexpr int64_t kPrefetchTiles = 8;  // how far ahead dot_tile prefetches weight rows (a prefetch never faults)
+constexpr int64_t kPrefetchTiles = 8;  // how many tiles ahead gemv_block prefetches weight rows (hints never fault)
 
 // 16 bf16 as two fp32 vectors: elements 0-3 and 8-11, then 4-7 and 12-15 (AVX2 unpacks stay within 128-bit
 // halves); W and x are split alike, so the products pair up
@@ -44,16 +44,16 @@ inline void step16(__m256 (&acc)[R][MR], const bf16* w, int64_t ldw, const bf16*
 // accumulators and x's two rows fill the 16 registers). Each output is one accumulator's lanes summed over k in
 // ascending steps of 16, then reduced in a fixed order: the same bits whatever rows share the tile.
 template <int R, int MR>
-inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy,
+                     const char* ahead) {
   if constexpr (MR > 2) {
-    dot_tile<R, 2>(w, ldw, x, ldx, K, y, ldy);
-    dot_tile<R, MR - 2>(w, ldw, x + 2 * ldx, ldx, K, y + 2, ldy);
+    dot_tile<R, 2>(w, ldw, x, ldx, K, y, ldy, ahead);
+    dot_tile<R, MR - 2>(w, ldw, x + 2 * ldx, ldx, K, y + 2, ldy, ahead);
   } else {
     __m256 acc[R][MR];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
-    // the weight rows kPrefetchTiles tiles ahead, one line per row per 32 k (as bf16_dot_avx512.h says why)
-    const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * R * ldw);
+    // `ahead`: the R * K weights to prefetch, one line per row per 32 k (as bf16_dot_avx512.h says why)
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
       for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (k / 32 * R + r) * 64, _MM_HINT_T0);

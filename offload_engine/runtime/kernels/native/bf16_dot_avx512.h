@@ -9,20 +9,20 @@
 
 namespace offload_native {
 
-constexpr int64_t kPrefetchTiles = 8;  // how far ahead dot_tile prefetches weight rows (a prefetch never faults)
+constexpr int64_t kPrefetchTiles = 8;  // how many tiles ahead gemv_block prefetches weight rows (hints never fault)
 
 // y[r][m] = sum_k W[r][k] x[m][k] for R <= 4 weight rows and MR <= 4 rows of x: R x MR independent fp32
 // accumulators in registers (a single chain per row would wait on VDPBF16PS's latency), each summed over k in
 // ascending order, 32 at a time, the tail masked
 template <int R, int MR>
-inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+inline void dot_tile(const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int64_t K, float* y, int64_t ldy,
+                     const char* ahead) {
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  // the weight rows kPrefetchTiles tiles ahead (the next rows of this thread's block, ldw == K), fetched one line
-  // per row per step: a tile spans R short streams (a 256-wide row is 8 lines), too short for the hardware
-  // prefetcher to ramp up on each, and a decode step is bound by this memory traffic
-  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * R * ldw);
+  // `ahead`: the R * K weights kPrefetchTiles tiles on in this thread's work (gemv_block), fetched one line per
+  // row per step: a tile spans R short streams (a 256-wide row is 8 lines), too short for the hardware prefetcher
+  // to ramp up on each, and a decode step is bound by this memory traffic
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (k / 32 * R + r) * 64, _MM_HINT_T0);
