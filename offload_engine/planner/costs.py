@@ -57,9 +57,8 @@ DEFAULT_RECALL = 0.0  # conservative: no read hidden by prefetching (router look
 # engine bookkeeping per unit in small-op equivalents, on the layer loop (a budget that streams: the resident
 # one-call decode pays none, A1). Re-fitted 2026-12-07 (session 24) on the bf16 bench checkpoint at 25%, 2 threads,
 # probe cpu_op_us 3.15: predicted with the engine's measured hits 50.6 tok/s at 14 where it ran 35.9, ~8 ms a
-# token more; 38 (120 us a unit use: the acquire generator, its hand-over of each landing expert, release and the
-# prefetcher's bookkeeping) predicts 36.3 (docs/CALIBRATION.md). Earlier: 14 (2026-12-06, resident fp32, when
-# the resident loop still paid it), 80 (session 2).
+# token more; 38 (120 us a unit use on that path, not broken down further) predicts 36.3 (docs/CALIBRATION.md).
+# Earlier: 14 (2026-12-06, resident fp32, when the resident loop still paid it), 80 (session 2).
 ENGINE_UNIT_OPS = 38.0
 OPS_PER_UNIT = {"embed": 2, "dense": 22, "expert": 9, "head": 4, "mtp": 26}  # torch ops per unit (decode)
 # an expert's share of its layer's one native call (A1), fitted on the bf16 bench checkpoint the same day: 18.2
