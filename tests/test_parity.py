@@ -71,6 +71,41 @@ def test_decode_token_by_token_matches_prefill(checkpoint_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_routing_is_bitwise_the_general_path(dtype):
+    """A few rows (a draft tree's verification) read their routing once (moe.RowRouting) and take consecutive rows
+    as views: the expert sum and the experts' order must equal the general path's (torch.where, gathers, the
+    scatter-add, the vectorized routed_experts) bit for bit, for chains where consecutive rows share experts and
+    for scattered routings."""
+    from offload_engine.runtime import moe
+    from offload_engine.runtime.layers import gated_mlp
+
+    gen = torch.Generator().manual_seed(1)
+    H, I, E, k = 64, 32, 8, 2
+    experts = {e: {n: torch.randn(*shape, generator=gen).to(dtype)
+                   for n, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))} for e in range(E)}
+    fn = lambda w, x: gated_mlp(x, w["gate"], w["up"], w["down"], torch.nn.functional.silu)  # noqa: E731
+    for trial in range(40):
+        T = 2 + trial % (moe.SMALL_ROWS - 1)
+        x = torch.randn(T, H, generator=gen).to(dtype)
+        if trial % 2:  # the same experts for runs of consecutive rows, in varying slots
+            base = torch.randperm(E, generator=gen)[:k]
+            indices = torch.stack([base.roll(t // 3) if t % 4 else torch.randperm(E, generator=gen)[:k]
+                                   for t in range(T)])
+        else:
+            indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        weights = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype)
+        routing = moe.RowRouting(indices, weights)
+        flat, w = indices.reshape(-1), weights.reshape(-1).float()  # the vectorized order, computed as a prefill does
+        last = {e: (p // k, float(w[i]), e) for i, (p, e) in enumerate(zip(range(len(flat)), flat.tolist()))}
+        assert routing.order == sorted(last, key=last.__getitem__) == moe.routed_experts(indices, weights), trial
+        fast = moe.combine(x, {e: moe.expert_part(x, indices, weights, e, experts[e], fn, routing)
+                               for e in reversed(routing.order)})
+        general = moe.combine(x, {e: moe.expert_part(x, indices, weights, e, experts[e], fn)
+                                  for e in routing.order})
+        assert torch.equal(fast, general), trial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_short_path_of_the_expert_sum_is_bitwise_the_general_one(dtype):
     """runtime/moe.py computes one token's expert sum without index ops; the bits must equal the general path
     (gather the token rows, scale, scatter-add in ascending expert order)."""

@@ -20,7 +20,7 @@ from .kernels.int_experts import IntExpert
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .host_compute import HostCompute, HostInputs
-from .moe import combine, expert_part, native_parts, routed_experts
+from .moe import SMALL_ROWS, RowRouting, combine, expert_part, native_parts, routed_experts
 from .weights import Weights, WeightSource, hold, lookup
 
 
@@ -204,7 +204,8 @@ class CausalLM:
         residual: returned plus the layer's output (for a one-token bf16 step one native call, combine_add: the same
         bits as the torch additions). logits: the router's product of h, where decode_block made it."""
         indices, weights = self.ops.route(layer, w, h) if logits is None else self.ops.route(layer, w, h, logits)
-        experts = routed_experts(indices, weights)
+        routing = RowRouting(indices, weights) if 1 < h.shape[0] <= SMALL_ROWS else None
+        experts = routed_experts(indices, weights) if routing is None else routing.order
         if trunk and self.routing_trace is not None:
             self.routing_trace.append((layer, indices.tolist()))
         if trunk and self.prefetcher is not None:
@@ -233,7 +234,7 @@ class CausalLM:
             if not pending:
                 return
             try:
-                parts.update(native_parts(native, h, indices, weights, [(k.expert, m) for k, m in pending]))
+                parts.update(native_parts(native, h, indices, weights, [(k.expert, m) for k, m in pending], routing))
             finally:
                 self.source.release([k for k, _ in pending])
                 pending.clear()
@@ -273,7 +274,8 @@ class CausalLM:
                     if not grouping[0]:
                         flush()
                     continue
-                self._expert(key, ew, h, indices, weights, parts, elsewhere, staged, host, tokens if host else None)
+                self._expert(key, ew, h, indices, weights, parts, elsewhere, staged, host, tokens if host else None,
+                             routing)
             flush()
         finally:
             if pending:  # a failure: what was held and not computed is given back
@@ -315,20 +317,20 @@ class CausalLM:
 
     def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 parts: dict, elsewhere: dict, staged: HostInputs | None, host: HostCompute | None,
-                tokens: Counter | None) -> None:
+                tokens: Counter | None, routing: RowRouting | None = None) -> None:
         """One routed expert's part by the torch path, on the compute device or where the host tier holds it;
         the unit is released whatever happens."""
         try:
             where = next(iter(ew.values())).device
             if where == h.device:
-                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert)
+                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert, routing)
             else:  # handed over from the host tier to be computed there
                 start = time.perf_counter()
                 if where not in elsewhere:
                     elsewhere[where] = (staged.wait() if staged is not None and where.type == "cpu"
                                         else (h.to(where), indices.to(where), weights.to(where)))
-                tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert)
-                parts[key.expert] = (tok.to(h.device), y.to(h.device))
+                tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert, routing)
+                parts[key.expert] = (tok if isinstance(tok, slice) else tok.to(h.device), y.to(h.device))
                 took = time.perf_counter() - start
                 self.host_compute_s += took
                 host.observe(took, tokens[key.expert])

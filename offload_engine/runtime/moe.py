@@ -20,6 +20,42 @@ ExpertFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 # token on the bench model, ~5 us each) without changing a bit of the result.
 _ROW0 = torch.zeros(1, dtype=torch.long)
 
+# A few rows (a draft tree's verification, an MTP layer catching up on a step's tokens) read their routing into
+# Python once (RowRouting): each expert's rows then come as views where they are consecutive, instead of a
+# torch.where, two gathers and a scatter per expert (on CUDA, torch.where also waits for the device each time).
+# On the bundled demo model that was 1.6 ms of a 2-token verification's 8.4 (tools/spec_profile.py).
+SMALL_ROWS = 16
+Rows = torch.Tensor | slice  # the rows an expert's part belongs to: an index tensor, or consecutive rows
+
+
+class RowRouting:
+    """The routing of a few rows, read once: `order` (routed_experts' order) and each expert's (row, slot) pairs."""
+
+    def __init__(self, indices: torch.Tensor, weights: torch.Tensor):
+        self.pairs: dict[int, list[tuple[int, int]]] = {}
+        last: dict[int, tuple[int, float, int]] = {}
+        for t, (row, ws) in enumerate(zip(indices.tolist(), weights.float().tolist())):
+            for s, (e, w) in enumerate(zip(row, ws)):
+                self.pairs.setdefault(e, []).append((t, s))
+                last[e] = (t, w, e)
+        # routed_experts' order: by the last row routed to each expert, then its weight there, then its index
+        self.order = sorted(last, key=last.__getitem__)
+
+    def rows_of(self, expert: int, x: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[Rows, torch.Tensor, torch.Tensor]:
+        """(rows, x's rows [n, H], their routing weights [n] in x's dtype) of one expert: views where the rows are
+        consecutive and (beyond one row) share a slot, else the gathers of the general path (the same values)."""
+        pairs = self.pairs[expert]
+        first, n = pairs[0][0], len(pairs)
+        slots = {s for _, s in pairs}
+        if pairs[-1][0] - first == n - 1 and len(slots) == 1:
+            rows = slice(first, first + n)
+            s = pairs[0][1]
+            return rows, x[rows], weights[rows, s].to(x.dtype)
+        tok = torch.tensor([t for t, _ in pairs], device=x.device)
+        slot = torch.tensor([s for _, s in pairs], device=x.device)
+        return tok, x[tok], weights[tok, slot].to(x.dtype)
+
 
 def routed_experts(indices: torch.Tensor, weights: torch.Tensor) -> list[int]:
     """The experts routed to, in the order a token-by-token pass would last have used them: by the last token
@@ -30,6 +66,8 @@ def routed_experts(indices: torch.Tensor, weights: torch.Tensor) -> list[int]:
     if indices.shape[0] == 1:
         order = sorted(zip(weights[0].float().tolist(), indices[0].tolist()))
         return list(dict.fromkeys(e for _, e in order))  # an expert listed twice (never in top-k) kept once
+    if indices.shape[0] <= SMALL_ROWS:
+        return RowRouting(indices, weights).order
     # a prefill: vectorized (a Python loop over 4096 tokens x 8 experts costs ~10 ms per layer)
     flat, w = indices.reshape(-1), weights.reshape(-1).float()
     position = torch.arange(indices.shape[0], device=indices.device).repeat_interleave(indices.shape[1])
@@ -43,18 +81,23 @@ def routed_experts(indices: torch.Tensor, weights: torch.Tensor) -> list[int]:
 
 
 def expert_part(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, expert: int,
-                w: Mapping[str, torch.Tensor], expert_fn: ExpertFn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's weighted output for the tokens routed to it: (token rows, [n, H])."""
+                w: Mapping[str, torch.Tensor], expert_fn: ExpertFn, routing: RowRouting | None = None
+                ) -> tuple[Rows, torch.Tensor]:
+    """One expert's weighted output for the tokens routed to it: (token rows, [n, H]). routing: the rows'
+    RowRouting where there are a few (the same bits, fewer ops)."""
     if x.shape[0] == 1:
         slot = indices[0].tolist().index(expert)
         return _ROW0, expert_fn(w, x.contiguous()) * weights[:, slot:slot + 1].to(x.dtype)
+    if routing is not None:
+        tok, xs, ws = routing.rows_of(expert, x, weights)
+        return tok, expert_fn(w, xs.contiguous()) * ws[:, None]
     tok, slot = torch.where(indices == expert)
     return tok, expert_fn(w, x[tok]) * weights[tok, slot, None].to(x.dtype)
 
 
 def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                 experts: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+                 experts: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                 routing: RowRouting | None = None) -> dict[int, tuple[Rows, torch.Tensor]]:
     """expert_part for several experts in one native call per kind (kernels: a kernels.decode.DecodeKernels):
     experts lists (expert, its plain (gate, up, down) or its int kernel forms: kernels.int_experts.IntExpert). Each
     expert's part is the same bits computed alone or with others."""
@@ -68,9 +111,14 @@ def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch
             rows.append(_ROW0)
     else:
         for e, _ in experts:
-            tok, slot = torch.where(indices == e)
-            xs.append(x[tok])
-            ws.append(weights[tok, slot].to(x.dtype))
+            if routing is not None:
+                tok, xe, we = routing.rows_of(e, x, weights)
+                xe, we = xe.contiguous(), we.contiguous()
+            else:
+                tok, slot = torch.where(indices == e)
+                xe, we = x[tok], weights[tok, slot].to(x.dtype)
+            xs.append(xe)
+            ws.append(we)
             rows.append(tok)
     out = {}
     for quantized in (False, True):
@@ -85,13 +133,15 @@ def native_parts(kernels, x: torch.Tensor, indices: torch.Tensor, weights: torch
     return out
 
 
-def combine(x: torch.Tensor, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def combine(x: torch.Tensor, parts: dict[int, tuple[Rows, torch.Tensor]]) -> torch.Tensor:
     """Sum the experts' parts in ascending expert order (arrival order must not change the bits)."""
     out = torch.zeros_like(x)
     for e in sorted(parts):
         tok, y = parts[e]
         if x.shape[0] == 1:  # the one row: the same elementwise additions as below
             out.add_(y)
+        elif isinstance(tok, slice):  # consecutive rows (RowRouting): the same additions on a view
+            out[tok].add_(y)
         else:
             # a token appears once per expert, so this equals index_add_ bit for bit, without its parallel region
             # (which costs milliseconds per call on a contended CPU for a single decode row)
