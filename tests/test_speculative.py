@@ -202,7 +202,7 @@ def test_a_drafter_that_loses_in_seconds_is_benched_whatever_the_estimate_says()
     assert not dense.benched("ngram") and dense.plan({"ngram": 0.0}, 8, 1, shadow={"ngram"}).drafter == "ngram"
 
 
-def test_a_clear_plain_verdict_stands_a_few_steps_until_new_acceptance_evidence():
+def test_a_clear_plain_verdict_stands_a_few_steps_until_an_accepted_token():
     cost = CostModel(num_experts=64, experts_per_token=4)
     cost.observe_forward(1, 0.010)
     cost.observe_forward(40, 0.140)
@@ -212,7 +212,9 @@ def test_a_clear_plain_verdict_stands_a_few_steps_until_new_acceptance_evidence(
     assert cost.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"}).drafter is None
     assert [cost.keep_plain() for _ in range(REPLAN_EVERY)] == [True] * (REPLAN_EVERY - 1) + [False]
     cost.plan({"ngram": 0.0}, 8, 4, shadow={"ngram"})
-    cost.observe_ranks("ngram", [0, 0, 0], [1, 1, 1])  # a shadow proposal ended: re-plan at once
+    cost.observe_ranks("ngram", [-1], [1])  # a rejection only lowers the rates: the verdict stands
+    assert cost.keep_plain()
+    cost.observe_ranks("ngram", [0, 0, 0], [1, 1, 1])  # accepted tokens: re-plan at once
     assert not cost.keep_plain()
 
 
