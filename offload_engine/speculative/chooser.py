@@ -366,8 +366,9 @@ class CostModel:
             self._plain_since_probe = 0
             return best
         self._plain_since_probe += 1
+        stands = self._stands_for(clear=top_rate < CLEAR_LOSS * plain) - 1
         if self._plain_since_probe < self.probe_every:
-            self._replan_in = self._stands_for(clear=top_rate < CLEAR_LOSS * plain) - 1
+            self._replan_in = stands
             return best
         # probe a drafter only if it could win at all (near-perfect acceptance at depth 1), and only while the
         # probes' extra cost stays within `explore` of the decode time so far
@@ -386,6 +387,9 @@ class CostModel:
                 self.forward_time(1 + near[1].depth * near[1].width) - self.forward_time(1) <= budget:
             self._plain_since_probe = 0
             return near[1]
+        # nothing to probe: the verdict stands as any plain one (a drafter that cannot win, or an exhausted
+        # exploration budget, used to make every later step plan in full: ~4% of a demo-model step)
+        self._replan_in = stands
         return best
 
     def _probe_estimate(self, name: str, prior: float) -> float:

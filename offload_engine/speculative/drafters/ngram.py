@@ -63,7 +63,10 @@ class NgramDrafter:
 
     def _sync(self, context: Sequence[int]) -> None:
         ids = self._ids
-        if len(context) < len(ids) or list(context[:len(ids)]) != ids:
+        # the stepper's context only grows between proposals (a drafter serves one request): its length and the
+        # last indexed token tell, without comparing the whole context on every step. A changed context can only
+        # cost acceptance, never correctness: every draft is verified.
+        if len(context) < len(ids) or (ids and context[len(ids) - 1] != ids[-1]):
             self._ids, self._index = [], {}
             ids = self._ids
         for tok in context[len(ids):]:
