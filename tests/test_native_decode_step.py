@@ -114,3 +114,30 @@ def test_engine_decode_steps_take_the_native_attention(arch: str, budget: str, c
         theirs = engine.generate(ids, max_new_tokens=10, ignore_eos=True)
     agree = sum(a == b for a, b in zip(runs[None].token_ids, theirs.token_ids))
     assert agree >= len(theirs.token_ids) - 2  # bf16 rounding may flip a near-tie late in the sequence
+
+
+@needs_native
+def test_native_parts_of_a_few_rows_take_their_routing_views_bit_for_bit() -> None:
+    """native_parts over a verification's few rows: with moe.RowRouting (consecutive rows as views) the experts'
+    parts and their sum are the general path's (torch.where and gathers) bit for bit."""
+    from types import SimpleNamespace
+
+    from offload_engine.runtime.moe import RowRouting, native_parts
+
+    g = torch.Generator().manual_seed(3)
+    H, I, E, k = 256, 128, 8, 2
+    mats = {e: tuple((torch.randn(*s, generator=g) * 0.05).bfloat16() for s in ((I, H), (I, H), (H, I)))
+            for e in range(E)}
+    kernels = SimpleNamespace(module=native)
+    for T in (2, 3, 5, 9, 16):
+        x = torch.randn(T, H, generator=g).bfloat16()
+        base = torch.randperm(E, generator=g)[:k]
+        indices = torch.stack([base if t % 3 else torch.randperm(E, generator=g)[:k] for t in range(T)])
+        weights = torch.softmax(torch.randn(T, k, generator=g), -1).bfloat16()
+        routing = RowRouting(indices, weights)
+        experts = [(e, mats[e]) for e in routing.order]
+        fast = native_parts(kernels, x, indices, weights, experts, routing)
+        general = native_parts(kernels, x, indices, weights, experts)
+        for e in routing.order:
+            assert torch.equal(fast[e][1], general[e][1]), (T, e)
+        assert torch.equal(combine(x, fast), combine(x, general)), T
