@@ -75,9 +75,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-reads", type=int, default=1, metavar="N",
                      help="lookahead guesses read per token at each layer, in forwards that do not route ahead "
                           "(default 1; more pays only with spare disk bandwidth)")
-    p.add_argument("--route-ahead", type=int, default=1, metavar="N",
+    p.add_argument("--route-ahead", type=int, default=2, metavar="N",
                      help="MoE layers whose routing a layer waiting for expert reads predicts, to read their experts "
-                          "early (default 1; 0: off; part of expert prefetching, which --prefetch adaptive "
+                          "early (default 2; 0: off; part of expert prefetching, which --prefetch adaptive "
                           "keeps only while it pays)")
     p.add_argument("--trace", metavar="FILE",
                      help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")

@@ -42,7 +42,10 @@ class PrefetchConfig:
     adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
     reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
     slots: int = PREFETCH_SLOTS  # the store's quota of prefetched, unused units per kind (TieredStore(prefetch_slots))
-    route_ahead: int = 1  # MoE layers whose routing a layer waiting for reads predicts (0: off; CausalLM._route_ahead)
+    # MoE layers whose routing a layer waiting for reads predicts (0: off; CausalLM._route_ahead). 2: where the
+    # disk is the bound, reads started two layers early keep it busy (realistic routing at 25% on a 1.5 GB/s
+    # disk, 9 runs each alternated: 19.5 -> 22.4 tok/s; random routing 42.2 -> 43.8; docs/PERF.md session 25)
+    route_ahead: int = 2
 
     def __post_init__(self):
         for name, least in (("depth", 1), ("margin", 0), ("reads", 0), ("slots", 0), ("route_ahead", 0)):
