@@ -218,6 +218,23 @@ def test_a_clear_plain_verdict_stands_a_few_steps_until_an_accepted_token():
     assert not cost.keep_plain()
 
 
+def test_a_plain_verdict_with_nothing_to_probe_stands_past_the_probe_interval():
+    """Past `probe_every` plain steps a plan looks for a drafter to probe; where none could win (here a drafter
+    whose drafting costs a whole forward), the plain verdict stands REPLAN_EVERY steps like any clear one instead
+    of every later step planning in full."""
+    cost = CostModel(num_experts=64, experts_per_token=4, probe_every=4)
+    cost.observe_forward(1, 0.010)
+    cost.observe_forward(40, 0.140)
+    drafters = {"self": 0.010}  # drafting costs a target forward: even 90% acceptance cannot pay
+    plans = 0
+    for _ in range(4 + 3 * REPLAN_EVERY):
+        if cost.keep_plain():
+            continue
+        plans += 1
+        assert cost.plan(drafters, 8, 1).drafter is None
+    assert plans <= 3 + 3  # the probe interval's plans, then one per REPLAN_EVERY steps
+
+
 def test_auto_is_lossless_and_reports_stats(engines):
     target = engines("deepseek", "25%")
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
