@@ -290,3 +290,20 @@ def test_plain_stepper_for_off(engines):
     assert isinstance(stepper, PlainStepper)
     stepper = make_stepper(target.model, target.model.new_cache(16), Sampler(SamplingParams()), "ngram")
     assert isinstance(stepper, SpeculativeStepper)
+
+
+def test_ngram_follows_a_growing_context_and_starts_over_on_another():
+    """The n-gram drafter indexes only what the context added since its last proposal (the stepper's context only
+    grows within a request) and starts over where the context is another one."""
+    from offload_engine.speculative.drafters import DraftBudget
+    from offload_engine.speculative.drafters.ngram import NgramDrafter
+
+    d, budget = NgramDrafter(), DraftBudget(depth=2)
+    state = None  # the n-gram drafter reads only the context
+    context = [5, 6, 7, 1, 2, 5, 6]
+    assert d.propose(context, state, budget).tokens == [7, 1]  # ... 5 6 -> 7 1, as earlier in the context
+    context += [9, 9, 5]
+    assert d.propose(context, state, budget).tokens == [6, 9]  # 9 5 is new; 5 -> 6 9, its latest continuation
+    other = [8, 3, 4, 8, 3, 1, 1, 1, 1, 1, 8, 3]  # another, longer context (its 10th token differs)
+    assert d.propose(other, state, budget).tokens == [1, 1]  # 8 3 -> 1 1 there: indexed afresh
+    assert d.propose([8, 3, 4, 8], state, budget).tokens == [3, 4]  # a shorter one: afresh too
