@@ -70,6 +70,15 @@ def test_decode_token_by_token_matches_prefill(checkpoint_factory):
         assert torch.allclose(steps, full[48:], atol=1e-5 * full.abs().max().item())
 
 
+def _random_experts(gen: torch.Generator, dtype: torch.dtype, H: int, I: int, E: int):
+    """E random gated-SiLU experts ({gate, up, down}) of hidden size H and I, and the function computing one."""
+    from offload_engine.runtime.layers import gated_mlp
+
+    experts = {e: {n: torch.randn(*shape, generator=gen).to(dtype)
+                   for n, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))} for e in range(E)}
+    return experts, lambda w, x: gated_mlp(x, w["gate"], w["up"], w["down"], torch.nn.functional.silu)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_routing_is_bitwise_the_general_path(dtype):
     """A few rows (a draft tree's verification) read their routing once (moe.RowRouting) and take consecutive rows
@@ -77,13 +86,10 @@ def test_few_rows_routing_is_bitwise_the_general_path(dtype):
     scatter-add, the vectorized routed_experts) bit for bit, for chains where consecutive rows share experts and
     for scattered routings."""
     from offload_engine.runtime import moe
-    from offload_engine.runtime.layers import gated_mlp
 
     gen = torch.Generator().manual_seed(1)
-    H, I, E, k = 64, 32, 8, 2
-    experts = {e: {n: torch.randn(*shape, generator=gen).to(dtype)
-                   for n, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))} for e in range(E)}
-    fn = lambda w, x: gated_mlp(x, w["gate"], w["up"], w["down"], torch.nn.functional.silu)  # noqa: E731
+    H, E, k = 64, 8, 2
+    experts, fn = _random_experts(gen, dtype, H, 32, E)
     for trial in range(40):
         T = 2 + trial % (moe.SMALL_ROWS - 1)
         x = torch.randn(T, H, generator=gen).to(dtype)
@@ -95,8 +101,8 @@ def test_few_rows_routing_is_bitwise_the_general_path(dtype):
             indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
         weights = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype)
         routing = moe.RowRouting(indices, weights)
-        flat, w = indices.reshape(-1), weights.reshape(-1).float()  # the vectorized order, computed as a prefill does
-        last = {e: (p // k, float(w[i]), e) for i, (p, e) in enumerate(zip(range(len(flat)), flat.tolist()))}
+        w = weights.reshape(-1).float()  # the order by definition: last row routed to, its weight there, the index
+        last = {e: (i // k, float(w[i]), e) for i, e in enumerate(indices.reshape(-1).tolist())}
         assert routing.order == sorted(last, key=last.__getitem__) == moe.routed_experts(indices, weights), trial
         fast = moe.combine(x, {e: moe.expert_part(x, indices, weights, e, experts[e], fn, routing)
                                for e in reversed(routing.order)})
@@ -109,14 +115,11 @@ def test_few_rows_routing_is_bitwise_the_general_path(dtype):
 def test_decode_short_path_of_the_expert_sum_is_bitwise_the_general_one(dtype):
     """runtime/moe.py computes one token's expert sum without index ops; the bits must equal the general path
     (gather the token rows, scale, scatter-add in ascending expert order)."""
-    from offload_engine.runtime.layers import gated_mlp
     from offload_engine.runtime.moe import combine, expert_part, routed_experts
 
     gen = torch.Generator().manual_seed(0)
-    H, I, E, k = 64, 32, 16, 4
-    experts = {e: {n: torch.randn(*shape, generator=gen).to(dtype)
-                   for n, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))} for e in range(E)}
-    fn = lambda w, x: gated_mlp(x, w["gate"], w["up"], w["down"], torch.nn.functional.silu)  # noqa: E731
+    H, E, k = 64, 16, 4
+    experts, fn = _random_experts(gen, dtype, H, 32, E)
     for trial in range(20):
         x = torch.randn(1, H, generator=gen).to(dtype)
         indices = torch.randperm(E, generator=gen)[:k].unsqueeze(0)
