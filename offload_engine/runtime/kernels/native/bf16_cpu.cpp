@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bf16_util.h"
+#include "ops.h"
 #if defined(__AVX512BF16__)
 #include "bf16_dot_avx512.h"
 #else
@@ -142,77 +143,108 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<tor
   return out;
 }
 
+PlainMatrix plain_matrix(const torch::Tensor& W, const char* what, int64_t e) {
+  TORCH_CHECK(W.device().is_cpu() && W.scalar_type() == torch::kBFloat16 && W.dim() == 2 && W.stride(1) == 1, what,
+              " of expert ", e, ": expected a 2-D CPU bfloat16 tensor with contiguous rows");
+  return {ptr(W), W.size(0), W.size(1), W.stride(0)};
+}
+
 // Routed experts with a gated SiLU MLP, as runtime/arch/base.expert_forward computes them in bf16 with the same
 // roundings (each product rounded to bf16, silu(g) rounded, then g*u rounded, the down product rounded, then the
-// routing weight applied and rounded): parts[e] = w_e * down_e(silu(gate_e x_e) * (up_e x_e)).
-// xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K]; downs [H, I]; weights[e] [M_e] (bf16).
+// routing weight applied and rounded): part_e = w_e * down_e(silu(gate_e x_e) * (up_e x_e)), into rows[e].out.
+// Two parallel regions: every gate and up row, each thread then taking silu(g) * u of the rows it made; every down
+// row, each thread then applying the routing weights to the rows it made. The scratch is the calling thread's,
+// kept between calls.
+void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows) {
+  const int64_t E = static_cast<int64_t>(forms.size());
+  thread_local std::vector<bf16> scratch_tl;  // per expert: g, u and h [M, I] each, at[e]
+  std::vector<bf16>& scratch = scratch_tl;
+  std::vector<int64_t> first_gate(E + 1, 0), first_down(E + 1, 0), at(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    first_gate[e + 1] = first_gate[e] + forms[e]->inter;
+    first_down[e + 1] = first_down[e] + forms[e]->down.N;
+    at[e + 1] = at[e] + 3 * rows[e].M * forms[e]->inter;
+  }
+  if (static_cast<int64_t>(scratch.size()) < at[E]) scratch.resize(at[E]);
+  auto g_of = [&](int64_t e) { return scratch.data() + at[e]; };
+  auto u_of = [&](int64_t e) { return scratch.data() + at[e] + rows[e].M * forms[e]->inter; };
+  auto h_of = [&](int64_t e) { return scratch.data() + at[e] + 2 * rows[e].M * forms[e]->inter; };
+  struct Span {  // rows [a, b) of expert e's projection
+    int64_t e, a, b;
+  };
+  // the spans of each expert's rows (prefix sums `first`) that this thread's range [r0, r1) covers
+  auto spans_of = [&](const std::vector<int64_t>& first, int64_t r0, int64_t r1) {
+    std::vector<Span> spans;
+    for (int64_t e = 0; e < E && r0 < r1; ++e) {
+      const int64_t a = std::max(r0, first[e]), b = std::min(r1, first[e + 1]);
+      if (a < b) spans.push_back({e, a - first[e], b - first[e]});
+    }
+    return spans;
+  };
+  at::parallel_for(0, first_gate[E], kGrain, [&](int64_t r0, int64_t r1) {
+    const auto spans = spans_of(first_gate, r0, r1);
+    std::vector<Block> blocks;
+    for (const Span& s : spans) {
+      const ExpertRows& x = rows[s.e];
+      const ExpertForms& f = *forms[s.e];
+      blocks.push_back({f.gate.W, f.gate.ld, x.x, x.ldx, x.M, f.gate.K, g_of(s.e), f.inter, s.a, s.b});
+      blocks.push_back({f.up.W, f.up.ld, x.x, x.ldx, x.M, f.up.K, u_of(s.e), f.inter, s.a, s.b});
+    }
+    run_in_order(blocks);
+    for (const Span& s : spans) {  // h = bf16(bf16(silu(g)) * u) of these rows
+      const int64_t I = forms[s.e]->inter;
+      const bf16 *g = g_of(s.e), *u = u_of(s.e);
+      bf16* h = h_of(s.e);
+      for (int64_t m = 0; m < rows[s.e].M; ++m)
+        for (int64_t i = m * I + s.a; i < m * I + s.b; ++i) h[i] = offload_native::silu_times(g[i], u[i]);
+    }
+  });
+  at::parallel_for(0, first_down[E], kGrain, [&](int64_t r0, int64_t r1) {
+    const auto spans = spans_of(first_down, r0, r1);
+    std::vector<Block> blocks;
+    for (const Span& s : spans) {
+      const ExpertRows& x = rows[s.e];
+      const ExpertForms& f = *forms[s.e];
+      blocks.push_back({f.down.W, f.down.ld, h_of(s.e), f.inter, x.M, f.inter, x.out, x.ldo, s.a, s.b});
+    }
+    run_in_order(blocks);
+    for (const Span& s : spans) {  // the routing weight, rounded as torch's bf16 multiply rounds it
+      const ExpertRows& x = rows[s.e];
+      for (int64_t m = 0; m < x.M; ++m) {
+        const float w = to_float(x.weight[m * x.weight_step]);
+        bf16* row = x.out + m * x.ldo;
+        for (int64_t j = s.a; j < s.b; ++j) row[j] = to_bf16(to_float(row[j]) * w);
+      }
+    }
+  });
+}
+
+// run_experts_plain over tensors: xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K]; downs [H, I];
+// weights[e]: M_e bf16 routing weights -> each expert's part
 std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
                                    const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                                    const std::vector<torch::Tensor>& weights) {
   const int64_t E = static_cast<int64_t>(xs.size());
   TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size() &&
               weights.size() == xs.size(), "one x, gate, up, down and weight per expert");
-  std::vector<torch::Tensor> g(E), u(E), h(E), out(E);
-  std::vector<int64_t> first_gate(E + 1, 0), first_down(E + 1, 0);
+  std::vector<ExpertForms> forms(E);
+  std::vector<const ExpertForms*> chosen(E);
+  std::vector<ExpertRows> rows(E);
+  std::vector<torch::Tensor> out(E), wts(E);
   for (int64_t e = 0; e < E; ++e) {
     check_bf16(xs[e], "x");
-    check_bf16(gates[e], "gate");
-    check_bf16(ups[e], "up");
-    check_bf16(downs[e], "down");
-    TORCH_CHECK(gates[e].sizes() == ups[e].sizes() && gates[e].size(1) == xs[e].size(1) &&
-                downs[e].size(1) == gates[e].size(0), "expert ", e, ": gate/up/down shapes do not chain");
-    const int64_t M = xs[e].size(0), I = gates[e].size(0);
-    g[e] = torch::empty({M, I}, xs[e].options());
-    u[e] = torch::empty({M, I}, xs[e].options());
-    out[e] = torch::empty({M, downs[e].size(0)}, xs[e].options());
-    first_gate[e + 1] = first_gate[e] + I;
-    first_down[e + 1] = first_down[e] + downs[e].size(0);
-  }
-  // gate and up rows of every expert: one parallel region over all of them
-  at::parallel_for(0, first_gate[E], kGrain, [&](int64_t r0, int64_t r1) {
-    std::vector<Block> blocks;
-    for (int64_t e = 0; e < E && r0 < r1; ++e) {
-      int64_t a = std::max(r0, first_gate[e]), b = std::min(r1, first_gate[e + 1]);
-      if (a >= b) continue;
-      const auto& x = xs[e];
-      for (const auto* pair : {&gates, &ups}) {
-        const auto& W = (*pair)[e];
-        auto& dst = pair == &gates ? g[e] : u[e];
-        blocks.push_back({ptr(W), W.stride(0), ptr(x), x.stride(0), x.size(0), x.size(1),
-                          reinterpret_cast<bf16*>(dst.data_ptr()), dst.size(1), a - first_gate[e],
-                          b - first_gate[e]});
-      }
-    }
-    run_in_order(blocks);
-  });
-  for (int64_t e = 0; e < E; ++e) {  // h = bf16(bf16(silu(g)) * u): I values per token, no need to split
-    h[e] = torch::empty_like(g[e]);
-    const bf16* gp = ptr(g[e]);
-    const bf16* up = ptr(u[e]);
-    bf16* hp = reinterpret_cast<bf16*>(h[e].data_ptr());
-    for (int64_t i = 0, n = g[e].numel(); i < n; ++i) hp[i] = offload_native::silu_times(gp[i], up[i]);
-  }
-  at::parallel_for(0, first_down[E], kGrain, [&](int64_t r0, int64_t r1) {
-    std::vector<Block> blocks;
-    for (int64_t e = 0; e < E && r0 < r1; ++e) {
-      int64_t a = std::max(r0, first_down[e]), b = std::min(r1, first_down[e + 1]);
-      if (a >= b) continue;
-      const auto& W = downs[e];
-      blocks.push_back({ptr(W), W.stride(0), ptr(h[e]), h[e].stride(0), h[e].size(0), h[e].size(1),
-                        reinterpret_cast<bf16*>(out[e].data_ptr()), out[e].size(1), a - first_down[e],
-                        b - first_down[e]});
-    }
-    run_in_order(blocks);
-  });
-  for (int64_t e = 0; e < E; ++e) {  // the routing weight, rounded as torch's bf16 multiply rounds it
+    forms[e] = expert_forms({gates[e]}, {ups[e]}, {downs[e]}, e);
+    chosen[e] = &forms[e];
+    TORCH_CHECK(forms[e].gate.K == xs[e].size(1), "expert ", e, ": x has ", xs[e].size(1), " columns, the gate ",
+                forms[e].gate.K);
     TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0),
                 "expert ", e, ": expected one bfloat16 routing weight per token");
-    auto wt = weights[e].contiguous();
-    const bf16* wp = ptr(wt.view({-1, 1}));
-    bf16* op = reinterpret_cast<bf16*>(out[e].data_ptr());
-    const int64_t H = out[e].size(1);
-    for (int64_t m = 0; m < out[e].size(0); ++m)
-      for (int64_t j = 0; j < H; ++j) op[m * H + j] = to_bf16(to_float(op[m * H + j]) * to_float(wp[m]));
+    wts[e] = weights[e].contiguous();
+    const int64_t M = xs[e].size(0), H = forms[e].down.N;
+    out[e] = torch::empty({M, H}, xs[e].options());
+    rows[e] = {ptr(xs[e]), xs[e].stride(0), M, ptr(wts[e]), 1,
+               reinterpret_cast<bf16*>(out[e].data_ptr()), H};
   }
+  run_experts_plain(chosen, rows);
   return out;
 }

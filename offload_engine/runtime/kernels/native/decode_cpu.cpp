@@ -150,24 +150,32 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
-// x [1, H] + combine(parts) (+ shared): the parts [1, H] summed in the order given (the caller's ascending expert
-// order) from zero, each addition rounded to bf16, then the shared experts' output added, then the residual
+// x [1, H] + combine(parts) (+ shared): the parts summed in the order given (the caller's ascending expert order)
+// from zero, each addition rounded to bf16, then the shared experts' output added, then the residual
+void combine_rows(const bf16* x, const std::vector<const bf16*>& parts, const bf16* shared, bf16* out, int64_t H) {
+  // one pass over the row per part (each a loop the compiler vectorizes), the running sum rounded as it goes
+  thread_local std::vector<float> acc;
+  acc.assign(H, 0.f);
+  float* a = acc.data();
+  auto add = [&](const bf16* p) {
+    for (int64_t j = 0; j < H; ++j) a[j] = to_float(to_bf16(a[j] + to_float(p[j])));
+  };
+  for (const bf16* p : parts) add(p);
+  if (shared != nullptr) add(shared);
+  for (int64_t j = 0; j < H; ++j) out[j] = to_bf16(to_float(x[j]) + a[j]);
+}
+
 torch::Tensor combine_add(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const std::optional<torch::Tensor>& shared) {
   const int64_t H = x.numel();
   check(x, "x", H);
-  for (const auto& p : parts) check(p, "part", H);
+  std::vector<const bf16*> rows;
+  for (const auto& p : parts) {
+    check(p, "part", H);
+    rows.push_back(cptr(p));
+  }
   if (shared) check(*shared, "shared", H);
   auto out = torch::empty_like(x);
-  const bf16* xp = cptr(x);
-  bf16* op = mptr(out);
-  // one pass over the row per part (each a loop the compiler vectorizes), the running sum rounded as it goes
-  std::vector<float> acc(H, 0.f);
-  auto add = [&](const bf16* p) {
-    for (int64_t j = 0; j < H; ++j) acc[j] = to_float(to_bf16(acc[j] + to_float(p[j])));
-  };
-  for (const auto& p : parts) add(cptr(p));
-  if (shared) add(cptr(*shared));
-  for (int64_t j = 0; j < H; ++j) op[j] = to_bf16(to_float(xp[j]) + acc[j]);
+  combine_rows(cptr(x), rows, shared ? cptr(*shared) : nullptr, mptr(out), H);
   return out;
 }

@@ -22,7 +22,13 @@ void DecodePlan::add_layer(const torch::Tensor& input_norm, const torch::Tensor&
               layers_.size(), ": one gate, up and down form per expert");
   TORCH_CHECK(static_cast<int64_t>(gates.size()) >= top_k_, "DecodePlan: layer ", layers_.size(), " has ",
               gates.size(), " experts, fewer than top-k ", top_k_);
-  layers_.push_back({input_norm, post_norm, qkv, q_norm, k_norm, o_proj, router, gates, ups, downs});
+  std::vector<ExpertForms> experts;
+  for (size_t e = 0; e < gates.size(); ++e)
+    experts.push_back(expert_forms(gates[e], ups[e], downs[e], static_cast<int64_t>(e)));
+  for (const auto& f : experts)
+    TORCH_CHECK(f.quantized == experts[0].quantized, "DecodePlan: layer ", layers_.size(),
+                ": experts all plain or all int");
+  layers_.push_back({input_norm, post_norm, qkv, q_norm, k_norm, o_proj, router, gates, ups, downs, experts});
 }
 
 // x [1, H] -> {the last layer's output [1, H], each layer's routed experts [layers, top_k] (int64, by weight)}
@@ -36,6 +42,7 @@ std::vector<torch::Tensor> DecodePlan::run(const torch::Tensor& x, const std::ve
   auto* routed_at = routed.data_ptr<int64_t>();
   torch::Tensor h = x;
   std::vector<int64_t> order(top_k_), slots(top_k_);
+  std::vector<const ExpertForms*> picked(top_k_);
   for (int64_t l = 0; l < L; ++l) {
     const Layer& p = layers_[l];
     const auto block = attention_block(h, p.input_norm, p.post_norm, eps_, p.qkv, p.q_norm, p.k_norm, cos, sin,
@@ -51,15 +58,14 @@ std::vector<torch::Tensor> DecodePlan::run(const torch::Tensor& x, const std::ve
     // the experts in ascending order (moe_row sums them so), each with its place among the weights
     std::iota(order.begin(), order.end(), 0);
     std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return expert[a] < expert[b]; });
-    std::vector<std::vector<torch::Tensor>> g, u, d;
     for (int64_t i = 0; i < top_k_; ++i) {
       const int64_t e = expert[order[i]];
-      TORCH_CHECK(e >= 0 && e < static_cast<int64_t>(p.gates.size()), "DecodePlan: layer ", l, " routed to expert ",
-                  e, " of ", p.gates.size());
+      TORCH_CHECK(e >= 0 && e < static_cast<int64_t>(p.experts.size()), "DecodePlan: layer ", l,
+                  " routed to expert ", e, " of ", p.experts.size());
       slots[i] = order[i];
-      g.push_back(p.gates[e]), u.push_back(p.ups[e]), d.push_back(p.downs[e]);
+      picked[i] = &p.experts[e];
     }
-    h = moe_row(block[0], block[1], weights[0], slots, g, u, d, std::nullopt);
+    h = moe_row_forms(block[0], block[1], weights[0], slots, picked, std::nullopt);
   }
   return {h, routed};
 }

@@ -37,6 +37,7 @@
 
 #include "bf16_util.h"
 #include "int_input.h"
+#include "ops.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include "int_avx512.h"
 #else
@@ -60,45 +61,12 @@ struct Proj {
   const Act* a;
   bf16* out;  // [M, ldo], this projection's columns starting at out
   int64_t ldo;
+  const bf16* weight = nullptr;  // an expert's down projection: its M routing weights (weight_step apart), applied
+  int64_t weight_step = 0;       //   to each output once rounded, as torch's bf16 multiply rounds it
 };
 
 template <typename T>
 const T* data(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
-
-Form form_of(const std::vector<torch::Tensor>& parts, const char* what, int64_t e) {
-  TORCH_CHECK(parts.size() == 2 || parts.size() == 3, what, " of expert ", e,
-              ": expected [weight, scale] or [weight, scale, zero term]");
-  const auto &w = parts[0], &s = parts[1];
-  for (const auto& p : parts)
-    TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), what, " of expert ", e, ": expected contiguous CPU tensors");
-  TORCH_CHECK(s.scalar_type() == torch::kBFloat16, what, " of expert ", e, ": scales must be bfloat16");
-  Form f;
-  if (w.scalar_type() == torch::kChar) {
-    TORCH_CHECK(w.dim() == 2 && s.numel() == w.size(0), what, " of expert ", e, ": int8 [N, K] with [N] scales");
-    f.q8 = data<int8_t>(w);
-    f.N = w.size(0);
-    f.K = w.size(1);
-    if (parts.size() == 3) {
-      TORCH_CHECK(parts[2].scalar_type() == torch::kBFloat16 && parts[2].numel() == f.N, what, " of expert ", e,
-                  ": the zero term must be bfloat16 [N]");
-      f.t = data<bf16>(parts[2]);
-    }
-  } else {
-    TORCH_CHECK(w.scalar_type() == torch::kByte && s.dim() == 3 && s.size(2) == 2 && parts.size() == 2, what,
-                " of expert ", e, ": int4 pack uint8 with [K/g, N, 2] scales and zeros");
-    f.int4 = true;
-    f.q4 = data<uint8_t>(w);
-    f.N = s.size(1);
-    f.G = s.size(0);
-    TORCH_CHECK(f.N % 2 == 0 && (w.numel() * 2) % f.N == 0, what, " of expert ", e, ": ", w.numel(),
-                " packed bytes for ", f.N, " rows");
-    f.K = w.numel() * 2 / f.N;
-    TORCH_CHECK(f.G > 0 && f.K % f.G == 0 && (f.K / f.G) % kBlock == 0, what, " of expert ", e, ": ", f.G,
-                " groups of a multiple of 32 inputs do not divide ", f.K);
-  }
-  f.s = data<bf16>(s);
-  return f;
-}
 
 constexpr int64_t kB = offload_native::kInt4BlockRows, kHalf = kB / 2;  // the int4 pack's rows per block
 
@@ -162,7 +130,16 @@ void run_all(const std::vector<Proj>& projs) {
     for (int64_t n = 0; n < f.N; n += step) tasks.push_back({i, n, std::min(f.N, n + step)});
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) run_rows(projs[tasks[t].proj], tasks[t].n0, tasks[t].n1);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Proj& p = projs[tasks[t].proj];
+      run_rows(p, tasks[t].n0, tasks[t].n1);
+      if (p.weight == nullptr) continue;
+      for (int64_t m = 0; m < p.a->M; ++m) {
+        const float w = to_float(p.weight[m * p.weight_step]);
+        bf16* row = p.out + m * p.ldo;
+        for (int64_t j = tasks[t].n0; j < tasks[t].n1; ++j) row[j] = to_bf16(to_float(row[j]) * w);
+      }
+    }
   });
 }
 
@@ -174,6 +151,41 @@ void check_x(const torch::Tensor& x, int64_t K, const char* what) {
 
 }  // namespace
 
+Form int_form(const std::vector<torch::Tensor>& parts, const char* what, int64_t e) {
+  TORCH_CHECK(parts.size() == 2 || parts.size() == 3, what, " of expert ", e,
+              ": expected [weight, scale] or [weight, scale, zero term]");
+  const auto &w = parts[0], &s = parts[1];
+  for (const auto& p : parts)
+    TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), what, " of expert ", e, ": expected contiguous CPU tensors");
+  TORCH_CHECK(s.scalar_type() == torch::kBFloat16, what, " of expert ", e, ": scales must be bfloat16");
+  Form f;
+  if (w.scalar_type() == torch::kChar) {
+    TORCH_CHECK(w.dim() == 2 && s.numel() == w.size(0), what, " of expert ", e, ": int8 [N, K] with [N] scales");
+    f.q8 = data<int8_t>(w);
+    f.N = w.size(0);
+    f.K = w.size(1);
+    if (parts.size() == 3) {
+      TORCH_CHECK(parts[2].scalar_type() == torch::kBFloat16 && parts[2].numel() == f.N, what, " of expert ", e,
+                  ": the zero term must be bfloat16 [N]");
+      f.t = data<bf16>(parts[2]);
+    }
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kByte && s.dim() == 3 && s.size(2) == 2 && parts.size() == 2, what,
+                " of expert ", e, ": int4 pack uint8 with [K/g, N, 2] scales and zeros");
+    f.int4 = true;
+    f.q4 = data<uint8_t>(w);
+    f.N = s.size(1);
+    f.G = s.size(0);
+    TORCH_CHECK(f.N % 2 == 0 && (w.numel() * 2) % f.N == 0, what, " of expert ", e, ": ", w.numel(),
+                " packed bytes for ", f.N, " rows");
+    f.K = w.numel() * 2 / f.N;
+    TORCH_CHECK(f.G > 0 && f.K % f.G == 0 && (f.K / f.G) % kBlock == 0, what, " of expert ", e, ": ", f.G,
+                " groups of a multiple of 32 inputs do not divide ", f.K);
+  }
+  f.s = data<bf16>(s);
+  return f;
+}
+
 // x [M, K] @ W_i.T for several int8 / int4 kernel forms of one input (an attention's q, k and v): x quantized once
 // per group size, one parallel region; each output the same bits as alone
 std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& forms) {
@@ -182,7 +194,7 @@ std::vector<torch::Tensor> int_linears(const torch::Tensor& x, const std::vector
   std::vector<torch::Tensor> out(P);
   std::vector<Proj> projs;
   for (int64_t i = 0; i < P; ++i) {
-    const Form f = form_of(forms[i], "weight", i);
+    const Form f = int_form(forms[i], "weight", i);
     check_x(x, f.K, "x");
     const Act* a = nullptr;
     for (int64_t j = 0; j < i && a == nullptr; ++j)
@@ -208,8 +220,58 @@ torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor
 
 // Routed experts with a gated SiLU MLP whose projections are int8 / int4 kernel forms, rounded as
 // runtime/arch/base.expert_forward rounds them in bf16 (each product, silu(g), g * u, the routing weight):
-// parts[e] = w_e * down_e(silu(gate_e x_e) * (up_e x_e)). gates[e] / ups[e] / downs[e]: the forms' tensors; an
-// empty ups[e] means gates[e] is the fused gate_up form (2I rows: gate, then up).
+// part_e = w_e * down_e(silu(gate_e x_e) * (up_e x_e)), into rows[e].out. Three parallel regions: every gate and up
+// projection; silu(g) * u and the down projections' inputs, experts split over the threads; every down projection
+// and its routing weight. The scratch is the calling thread's, kept between calls (no allocation once warm).
+void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows) {
+  const int64_t E = static_cast<int64_t>(forms.size());
+  thread_local std::vector<Act> xin_tl, hin_tl;  // x for each expert's gate and up forms (their groups may differ)
+  thread_local std::vector<bf16> gu_tl;
+  std::vector<Act>&xin = xin_tl, &hin = hin_tl;  // the caller's, also inside the regions (not the workers')
+  std::vector<bf16>& gu = gu_tl;
+  xin.resize(2 * E);
+  hin.resize(E);
+  for (auto& a : xin) a.source = nullptr;  // a previous call's inputs match nothing
+  std::vector<int64_t> at(E + 1, 0);  // expert e's [M, 2I] gate | up outputs at gu[at[e]]
+  for (int64_t e = 0; e < E; ++e) at[e + 1] = at[e] + rows[e].M * 2 * forms[e]->inter;
+  if (static_cast<int64_t>(gu.size()) < at[E]) gu.resize(at[E]);
+  // the same x (decode: every expert's) converted once per group size: the values are the same either way
+  auto input = [&](int64_t slot, const ExpertRows& r, int64_t K, int64_t G) -> const Act* {
+    for (int64_t i = 0; i < slot; ++i)
+      if (xin[i].source == r.x && xin[i].ldx == r.ldx && xin[i].M == r.M && xin[i].K == K && xin[i].G == G)
+        return &xin[i];
+    prepare(xin[slot], r.x, r.ldx, r.M, K, G);
+    return &xin[slot];
+  };
+  std::vector<Proj> projs;
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertForms& f = *forms[e];
+    const int64_t I = f.inter;
+    bf16* o = gu.data() + at[e];
+    projs.push_back({f.qgate, input(2 * e, rows[e], f.qgate.K, f.qgate.G), o, 2 * I});
+    if (f.qup.N > 0) projs.push_back({f.qup, input(2 * e + 1, rows[e], f.qup.K, f.qup.G), o + I, 2 * I});
+  }
+  run_all(projs);
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {  // h = bf16(bf16(silu(g)) * u), quantized for down
+    thread_local std::vector<bf16> h;
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t M = rows[e].M, I = forms[e]->inter;
+      const bf16* p = gu.data() + at[e];
+      h.resize(M * I);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < I; ++i)
+          h[m * I + i] = offload_native::silu_times(p[m * 2 * I + i], p[m * 2 * I + I + i]);
+      prepare(hin[e], h.data(), I, M, I, forms[e]->qdown.G);
+    }
+  });
+  projs.clear();
+  for (int64_t e = 0; e < E; ++e)
+    projs.push_back({forms[e]->qdown, &hin[e], rows[e].out, rows[e].ldo, rows[e].weight, rows[e].weight_step});
+  run_all(projs);
+}
+
+// run_experts_int over tensors: xs[e] [M_e, K] bf16 rows; gates[e] / ups[e] / downs[e]: the forms' tensors (an
+// empty ups[e]: gates[e] is the fused gate_up form); weights[e]: M_e bf16 routing weights -> each expert's part
 std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
                                        const std::vector<std::vector<torch::Tensor>>& gates,
                                        const std::vector<std::vector<torch::Tensor>>& ups,
@@ -218,60 +280,22 @@ std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
   const int64_t E = static_cast<int64_t>(xs.size());
   TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size() &&
               weights.size() == xs.size(), "one x, gate, up, down and weight per expert");
-  std::vector<Form> down(E);
-  std::vector<int64_t> inter(E);
-  std::vector<Act> xin(E * 2), hin(E);  // x for each expert's gate and up forms (their groups may differ)
-  // the same x (decode: every expert's) converted once per group size: the values are the same either way
-  auto input = [&](int64_t slot, const torch::Tensor& x, int64_t K, int64_t G) -> const Act* {
-    for (int64_t i = 0; i < slot; ++i)
-      if (xin[i].source == x.data_ptr() && xin[i].ldx == x.stride(0) && xin[i].M == x.size(0) && xin[i].K == K &&
-          xin[i].G == G)
-        return &xin[i];
-    prepare(xin[slot], data<bf16>(x), x.stride(0), x.size(0), K, G);
-    return &xin[slot];
-  };
-  std::vector<torch::Tensor> gu(E), out(E);
-  std::vector<Proj> projs;
+  std::vector<ExpertForms> forms(E);
+  std::vector<const ExpertForms*> chosen(E);
+  std::vector<ExpertRows> rows(E);
+  std::vector<torch::Tensor> out(E), wts(E);
   for (int64_t e = 0; e < E; ++e) {
-    const Form g = form_of(gates[e], "gate", e);
-    const bool fused = ups[e].empty();
-    const Form u = fused ? g : form_of(ups[e], "up", e);
-    down[e] = form_of(downs[e], "down", e);
-    inter[e] = fused ? g.N / 2 : g.N;
-    check_x(xs[e], g.K, "x");
-    TORCH_CHECK(u.K == g.K && (fused || u.N == g.N) && down[e].K == inter[e] && g.N % (fused ? 2 : 1) == 0,
-                "expert ", e, ": gate/up/down shapes do not chain");
+    TORCH_CHECK(gates[e].size() > 1, "expert ", e, ": expected int8 / int4 kernel forms, got a plain weight");
+    forms[e] = expert_forms(gates[e], ups[e], downs[e], e);
+    chosen[e] = &forms[e];
+    check_x(xs[e], forms[e].qgate.K, "x");
     TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0), "expert ", e,
                 ": expected one bfloat16 routing weight per token");
-    const int64_t M = xs[e].size(0);
-    gu[e] = torch::empty({M, 2 * inter[e]}, xs[e].options());
-    out[e] = torch::empty({M, down[e].N}, xs[e].options());
-    bf16* o = reinterpret_cast<bf16*>(gu[e].data_ptr());
-    projs.push_back({g, input(2 * e, xs[e], g.K, g.G), o, 2 * inter[e]});
-    if (!fused) {
-      projs.push_back({u, input(2 * e + 1, xs[e], u.K, u.G), o + inter[e], 2 * inter[e]});
-    }
+    wts[e] = weights[e].contiguous();
+    out[e] = torch::empty({xs[e].size(0), forms[e].qdown.N}, xs[e].options());
+    rows[e] = {data<bf16>(xs[e]), xs[e].stride(0), xs[e].size(0), data<bf16>(wts[e]), 1,
+               reinterpret_cast<bf16*>(out[e].data_ptr()), forms[e].qdown.N};
   }
-  run_all(projs);
-  projs.clear();
-  std::vector<bf16> h;
-  for (int64_t e = 0; e < E; ++e) {  // h = bf16(bf16(silu(g)) * u), then the down projection's input
-    const int64_t M = gu[e].size(0), I = inter[e];
-    const bf16* p = data<bf16>(gu[e]);
-    h.resize(M * I);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < I; ++i) h[m * I + i] = offload_native::silu_times(p[m * 2 * I + i], p[m * 2 * I + I + i]);
-    prepare(hin[e], h.data(), I, M, I, down[e].G);
-    projs.push_back({down[e], &hin[e], reinterpret_cast<bf16*>(out[e].data_ptr()), down[e].N});
-  }
-  run_all(projs);
-  for (int64_t e = 0; e < E; ++e) {  // the routing weight, rounded as torch's bf16 multiply rounds it
-    auto wt = weights[e].contiguous();
-    const bf16* wp = data<bf16>(wt);
-    bf16* op = reinterpret_cast<bf16*>(out[e].data_ptr());
-    const int64_t H = out[e].size(1);
-    for (int64_t m = 0; m < out[e].size(0); ++m)
-      for (int64_t j = 0; j < H; ++j) op[m * H + j] = to_bf16(to_float(op[m * H + j]) * to_float(wp[m]));
-  }
+  run_experts_int(chosen, rows);
   return out;
 }

@@ -50,6 +50,31 @@ std::vector<torch::Tensor> attention_block(const torch::Tensor& x, const torch::
   return {out, normed, logits};
 }
 
+ExpertForms expert_forms(const std::vector<torch::Tensor>& gate, const std::vector<torch::Tensor>& up,
+                         const std::vector<torch::Tensor>& down, int64_t e) {
+  ExpertForms f;
+  if (plain(gate)) {
+    TORCH_CHECK(up.size() == 1 && down.size() == 1, "expert ", e, ": gate, up and down all plain or all int");
+    f.gate = plain_matrix(gate[0], "gate", e), f.up = plain_matrix(up[0], "up", e);
+    f.down = plain_matrix(down[0], "down", e);
+    TORCH_CHECK(f.gate.N == f.up.N && f.gate.K == f.up.K && f.down.K == f.gate.N, "expert ", e,
+                ": gate/up/down shapes do not chain");
+    f.inter = f.gate.N;
+    return f;
+  }
+  TORCH_CHECK(!down.empty() && !plain(down) && (up.empty() || !plain(up)), "expert ", e,
+              ": gate, up and down all plain or all int");
+  f.quantized = true;
+  f.qgate = int_form(gate, "gate", e);
+  const bool fused = up.empty();
+  if (!fused) f.qup = int_form(up, "up", e);  // else N == 0: the gate is the fused gate_up form
+  f.qdown = int_form(down, "down", e);
+  f.inter = fused ? f.qgate.N / 2 : f.qgate.N;
+  TORCH_CHECK((fused ? f.qgate.N % 2 == 0 : f.qup.K == f.qgate.K && f.qup.N == f.qgate.N) && f.qdown.K == f.inter,
+              "expert ", e, ": gate/up/down shapes do not chain");
+  return f;
+}
+
 // residual + the routed experts of one row x [1, H], summed in the order given (the caller's ascending expert
 // order) (+ shared): combine_add over experts() / experts_int()'s parts. weights [k] bf16: the row's routing
 // weights; slots[e]: expert e's place among them; gates / ups / downs[e]: [W] (plain) or int kernel parts, all
@@ -60,26 +85,56 @@ torch::Tensor moe_row(const torch::Tensor& residual, const torch::Tensor& x, con
                       const std::vector<std::vector<torch::Tensor>>& downs,
                       const std::optional<torch::Tensor>& shared) {
   const size_t E = slots.size();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weights.dim() == 1, "moe_row: expected one row and its weights");
   TORCH_CHECK(gates.size() == E && ups.size() == E && downs.size() == E, "moe_row: one gate, up, down per expert");
-  std::vector<torch::Tensor> xs(E, x), ws(E);
+  std::vector<ExpertForms> forms(E);
+  std::vector<const ExpertForms*> chosen(E);
   for (size_t e = 0; e < E; ++e) {
+    TORCH_CHECK(plain(gates[e]) == plain(gates[0]), "moe_row: experts all plain or all int");
+    forms[e] = expert_forms(gates[e], ups[e], downs[e], static_cast<int64_t>(e));
+    chosen[e] = &forms[e];
+  }
+  return moe_row_forms(residual, x, weights, slots, chosen, shared);
+}
+
+torch::Tensor moe_row_forms(const torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weights,
+                            const std::vector<int64_t>& slots, const std::vector<const ExpertForms*>& forms,
+                            const std::optional<torch::Tensor>& shared) {
+  using offload_native::bf16;
+  const size_t E = slots.size();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weights.dim() == 1, "moe_row: expected one row and its weights");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "moe_row: x must be a CPU bfloat16 row");
+  TORCH_CHECK(weights.scalar_type() == torch::kBFloat16, "moe_row: expected bfloat16 routing weights");
+  TORCH_CHECK(forms.size() == E, "moe_row: one expert per slot");
+  const int64_t H = residual.numel();
+  const bool quantized = E > 0 && forms[0]->quantized;
+  thread_local std::vector<bf16> parts_tl;  // [E, H]: each expert's part
+  std::vector<bf16>& parts = parts_tl;
+  if (parts.size() < E * H) parts.resize(E * H);
+  std::vector<ExpertRows> rows(E);
+  std::vector<const bf16*> part_rows(E);
+  const bf16* w = reinterpret_cast<const bf16*>(weights.data_ptr());
+  for (size_t e = 0; e < E; ++e) {
+    const ExpertForms& f = *forms[e];
     TORCH_CHECK(slots[e] >= 0 && slots[e] < weights.size(0), "moe_row: slot ", slots[e], " outside the weights");
-    ws[e] = weights.narrow(0, slots[e], 1);
+    TORCH_CHECK(f.quantized == quantized, "moe_row: experts all plain or all int");
+    TORCH_CHECK((quantized ? f.qgate.K : f.gate.K) == x.size(1) && (quantized ? f.qdown.N : f.down.N) == H,
+                "moe_row: expert ", e, " does not map the row's ", x.size(1), " values to the residual's ", H);
+    rows[e] = {reinterpret_cast<const bf16*>(x.data_ptr()), x.stride(0), 1, w + slots[e] * weights.stride(0), 0,
+               parts.data() + e * H, H};
+    part_rows[e] = parts.data() + e * H;
   }
-  const bool plain_all = E > 0 && plain(gates[0]);
-  std::vector<torch::Tensor> parts;
-  if (plain_all) {
-    std::vector<torch::Tensor> g(E), u(E), d(E);
-    for (size_t e = 0; e < E; ++e) {
-      TORCH_CHECK(plain(gates[e]) && plain(ups[e]) && plain(downs[e]), "moe_row: experts all plain or all int");
-      g[e] = gates[e][0], u[e] = ups[e][0], d[e] = downs[e][0];
-    }
-    parts = ::experts(xs, g, u, d, ws);
-  } else if (E > 0) {
-    for (size_t e = 0; e < E; ++e)
-      TORCH_CHECK(!plain(gates[e]), "moe_row: experts all plain or all int");
-    parts = ::experts_int(xs, gates, ups, downs, ws);
+  if (quantized) run_experts_int(forms, rows);
+  else if (E > 0) run_experts_plain(forms, rows);
+  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == torch::kBFloat16 && residual.is_contiguous(),
+              "moe_row: the residual must be a contiguous CPU bfloat16 row");
+  if (shared) {
+    TORCH_CHECK(shared->scalar_type() == torch::kBFloat16 && shared->is_contiguous() && shared->numel() == H,
+                "moe_row: the shared experts' output must be a contiguous bfloat16 row of ", H);
   }
-  return combine_add(residual, parts, shared);
+  auto out = torch::empty_like(residual);
+  combine_rows(reinterpret_cast<const bf16*>(residual.data_ptr()), part_rows,
+               shared ? reinterpret_cast<const bf16*>(shared->data_ptr()) : nullptr,
+               reinterpret_cast<bf16*>(out.data_ptr()), H);
+  return out;
 }

@@ -6,6 +6,42 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_util.h"
+#include "int_input.h"
+
+// One routed expert's gated SiLU MLP weights, checked once (expert_forms): plain bf16 matrices [N, K] (rows ld
+// apart) or int8 / int4 kernel forms (quantized); an int `up` with N == 0: `gate` is the fused gate_up form (2I rows)
+struct PlainMatrix {
+  const offload_native::bf16* W = nullptr;
+  int64_t N = 0, K = 0, ld = 0;
+};
+struct ExpertForms {
+  bool quantized = false;
+  PlainMatrix gate, up, down;  // plain
+  offload_native::Form qgate, qup, qdown;  // quantized
+  int64_t inter = 0;  // I: the gate's (and up's) output width
+};
+// the rows routed to one expert, their routing weights and where its part goes
+struct ExpertRows {
+  const offload_native::bf16* x;
+  int64_t ldx, M;
+  const offload_native::bf16* weight;  // M routing weights, weight_step apart
+  int64_t weight_step;
+  offload_native::bf16* out;  // [M, H], ldo apart
+  int64_t ldo;
+};
+ExpertForms expert_forms(const std::vector<torch::Tensor>& gate, const std::vector<torch::Tensor>& up,
+                         const std::vector<torch::Tensor>& down, int64_t e);
+PlainMatrix plain_matrix(const torch::Tensor& W, const char* what, int64_t e);
+offload_native::Form int_form(const std::vector<torch::Tensor>& parts, const char* what, int64_t e);
+// every expert's part for its rows, one parallel region per stage; all experts plain (bf16_cpu.cpp) or all
+// quantized (int_cpu.cpp)
+void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
+void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
+// x + parts summed in the order given (+ shared), one row of H (decode_cpu.cpp; combine_add's arithmetic)
+void combine_rows(const offload_native::bf16* x, const std::vector<const offload_native::bf16*>& parts,
+                  const offload_native::bf16* shared, offload_native::bf16* out, int64_t H);
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W);
 std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
                                    const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
@@ -40,6 +76,10 @@ torch::Tensor moe_row(const torch::Tensor& residual, const torch::Tensor& x, con
                       const std::vector<std::vector<torch::Tensor>>& ups,
                       const std::vector<std::vector<torch::Tensor>>& downs,
                       const std::optional<torch::Tensor>& shared);
+// moe_row over forms checked once (the decode plan's): forms[i] the expert of weight slot slots[i]
+torch::Tensor moe_row_forms(const torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weights,
+                            const std::vector<int64_t>& slots, const std::vector<const ExpertForms*>& forms,
+                            const std::optional<torch::Tensor>& shared);
 
 // decode_plan.cpp: a one-token decode step over every layer of a model whose weights are all resident, one call
 // (runtime/decode_plan.py builds it once, from the weights' kernel forms)
@@ -64,7 +104,8 @@ class DecodePlan {
     std::vector<std::vector<torch::Tensor>> qkv;
     std::optional<torch::Tensor> q_norm, k_norm;
     std::vector<torch::Tensor> o_proj, router;
-    std::vector<std::vector<torch::Tensor>> gates, ups, downs;  // every expert's, by expert index
+    std::vector<std::vector<torch::Tensor>> gates, ups, downs;  // every expert's, by expert index (kept alive)
+    std::vector<ExpertForms> experts;  // the same, checked once
   };
   std::vector<Layer> layers_;
   double eps_, scale_;
