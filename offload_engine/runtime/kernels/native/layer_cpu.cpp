@@ -76,9 +76,9 @@ ExpertForms expert_forms(const std::vector<torch::Tensor>& gate, const std::vect
 }
 
 // residual + the routed experts of one row x [1, H], summed in the order given (the caller's ascending expert
-// order) (+ shared): combine_add over experts() / experts_int()'s parts. weights [k] bf16: the row's routing
-// weights; slots[e]: expert e's place among them; gates / ups / downs[e]: [W] (plain) or int kernel parts, all
-// experts of one kind (an empty up: a fused gate_up form)
+// order) (+ shared): combine_add's sum of the experts' parts (run_experts_plain / run_experts_int). weights [k]
+// bf16: the row's routing weights; slots[e]: expert e's place among them; gates / ups / downs[e]: [W] (plain) or
+// int kernel parts, all experts of one kind (an empty up: a fused gate_up form)
 torch::Tensor moe_row(const torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weights,
                       const std::vector<int64_t>& slots, const std::vector<std::vector<torch::Tensor>>& gates,
                       const std::vector<std::vector<torch::Tensor>>& ups,
@@ -106,11 +106,18 @@ torch::Tensor moe_row_forms(const torch::Tensor& residual, const torch::Tensor& 
               "moe_row: x must be a CPU bfloat16 row");
   TORCH_CHECK(weights.scalar_type() == torch::kBFloat16, "moe_row: expected bfloat16 routing weights");
   TORCH_CHECK(forms.size() == E, "moe_row: one expert per slot");
+  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == torch::kBFloat16 && residual.is_contiguous(),
+              "moe_row: the residual must be a contiguous CPU bfloat16 row");
   const int64_t H = residual.numel();
+  if (shared) {
+    TORCH_CHECK(shared->device().is_cpu() && shared->scalar_type() == torch::kBFloat16 && shared->is_contiguous() &&
+                    shared->numel() == H,
+                "moe_row: the shared experts' output must be a contiguous CPU bfloat16 row of ", H);
+  }
   const bool quantized = E > 0 && forms[0]->quantized;
   thread_local std::vector<bf16> parts_tl;  // [E, H]: each expert's part
   std::vector<bf16>& parts = parts_tl;
-  if (parts.size() < E * H) parts.resize(E * H);
+  if (parts.size() < E * static_cast<size_t>(H)) parts.resize(E * H);
   std::vector<ExpertRows> rows(E);
   std::vector<const bf16*> part_rows(E);
   const bf16* w = reinterpret_cast<const bf16*>(weights.data_ptr());
@@ -126,12 +133,6 @@ torch::Tensor moe_row_forms(const torch::Tensor& residual, const torch::Tensor& 
   }
   if (quantized) run_experts_int(forms, rows);
   else if (E > 0) run_experts_plain(forms, rows);
-  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == torch::kBFloat16 && residual.is_contiguous(),
-              "moe_row: the residual must be a contiguous CPU bfloat16 row");
-  if (shared) {
-    TORCH_CHECK(shared->scalar_type() == torch::kBFloat16 && shared->is_contiguous() && shared->numel() == H,
-                "moe_row: the shared experts' output must be a contiguous bfloat16 row of ", H);
-  }
   auto out = torch::empty_like(residual);
   combine_rows(reinterpret_cast<const bf16*>(residual.data_ptr()), part_rows,
                shared ? reinterpret_cast<const bf16*>(shared->data_ptr()) : nullptr,
