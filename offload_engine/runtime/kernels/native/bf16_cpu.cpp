@@ -219,32 +219,15 @@ void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::
   });
 }
 
-// run_experts_plain over tensors: xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K]; downs [H, I];
-// weights[e]: M_e bf16 routing weights -> each expert's part
+// run_experts_plain over tensors (experts_on): xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K];
+// downs [H, I]; weights[e]: M_e bf16 routing weights -> each expert's part
 std::vector<torch::Tensor> experts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gates,
                                    const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                                    const std::vector<torch::Tensor>& weights) {
-  const int64_t E = static_cast<int64_t>(xs.size());
-  TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size() &&
-              weights.size() == xs.size(), "one x, gate, up, down and weight per expert");
-  std::vector<ExpertForms> forms(E);
-  std::vector<const ExpertForms*> chosen(E);
-  std::vector<ExpertRows> rows(E);
-  std::vector<torch::Tensor> out(E), wts(E);
-  for (int64_t e = 0; e < E; ++e) {
-    check_bf16(xs[e], "x");
-    forms[e] = expert_forms({gates[e]}, {ups[e]}, {downs[e]}, e);
-    chosen[e] = &forms[e];
-    TORCH_CHECK(forms[e].gate.K == xs[e].size(1), "expert ", e, ": x has ", xs[e].size(1), " columns, the gate ",
-                forms[e].gate.K);
-    TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0),
-                "expert ", e, ": expected one bfloat16 routing weight per token");
-    wts[e] = weights[e].contiguous();
-    const int64_t M = xs[e].size(0), H = forms[e].down.N;
-    out[e] = torch::empty({M, H}, xs[e].options());
-    rows[e] = {ptr(xs[e]), xs[e].stride(0), M, ptr(wts[e]), 1,
-               reinterpret_cast<bf16*>(out[e].data_ptr()), H};
-  }
-  run_experts_plain(chosen, rows);
-  return out;
+  TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size(),
+              "one x, gate, up, down and weight per expert");
+  std::vector<ExpertForms> forms;
+  for (size_t e = 0; e < xs.size(); ++e)
+    forms.push_back(expert_forms({gates[e]}, {ups[e]}, {downs[e]}, static_cast<int64_t>(e)));
+  return experts_on(xs, forms, weights);
 }

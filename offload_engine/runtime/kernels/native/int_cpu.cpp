@@ -270,32 +270,20 @@ void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::ve
   run_all(projs);
 }
 
-// run_experts_int over tensors: xs[e] [M_e, K] bf16 rows; gates[e] / ups[e] / downs[e]: the forms' tensors (an
-// empty ups[e]: gates[e] is the fused gate_up form); weights[e]: M_e bf16 routing weights -> each expert's part
+// run_experts_int over tensors (experts_on): xs[e] [M_e, K] bf16 rows; gates[e] / ups[e] / downs[e]: the forms'
+// tensors (an empty ups[e]: gates[e] is the fused gate_up form); weights[e]: M_e bf16 routing weights -> each
+// expert's part
 std::vector<torch::Tensor> experts_int(const std::vector<torch::Tensor>& xs,
                                        const std::vector<std::vector<torch::Tensor>>& gates,
                                        const std::vector<std::vector<torch::Tensor>>& ups,
                                        const std::vector<std::vector<torch::Tensor>>& downs,
                                        const std::vector<torch::Tensor>& weights) {
-  const int64_t E = static_cast<int64_t>(xs.size());
-  TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size() &&
-              weights.size() == xs.size(), "one x, gate, up, down and weight per expert");
-  std::vector<ExpertForms> forms(E);
-  std::vector<const ExpertForms*> chosen(E);
-  std::vector<ExpertRows> rows(E);
-  std::vector<torch::Tensor> out(E), wts(E);
-  for (int64_t e = 0; e < E; ++e) {
+  TORCH_CHECK(gates.size() == xs.size() && ups.size() == xs.size() && downs.size() == xs.size(),
+              "one x, gate, up, down and weight per expert");
+  std::vector<ExpertForms> forms;
+  for (size_t e = 0; e < xs.size(); ++e) {
     TORCH_CHECK(gates[e].size() > 1, "expert ", e, ": expected int8 / int4 kernel forms, got a plain weight");
-    forms[e] = expert_forms(gates[e], ups[e], downs[e], e);
-    chosen[e] = &forms[e];
-    check_x(xs[e], forms[e].qgate.K, "x");
-    TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == xs[e].size(0), "expert ", e,
-                ": expected one bfloat16 routing weight per token");
-    wts[e] = weights[e].contiguous();
-    out[e] = torch::empty({xs[e].size(0), forms[e].qdown.N}, xs[e].options());
-    rows[e] = {data<bf16>(xs[e]), xs[e].stride(0), xs[e].size(0), data<bf16>(wts[e]), 1,
-               reinterpret_cast<bf16*>(out[e].data_ptr()), forms[e].qdown.N};
+    forms.push_back(expert_forms(gates[e], ups[e], downs[e], static_cast<int64_t>(e)));
   }
-  run_experts_int(chosen, rows);
-  return out;
+  return experts_on(xs, forms, weights);
 }

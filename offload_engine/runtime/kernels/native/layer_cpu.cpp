@@ -75,6 +75,35 @@ ExpertForms expert_forms(const std::vector<torch::Tensor>& gate, const std::vect
   return f;
 }
 
+std::vector<torch::Tensor> experts_on(const std::vector<torch::Tensor>& xs, const std::vector<ExpertForms>& forms,
+                                      const std::vector<torch::Tensor>& weights) {
+  using offload_native::bf16;
+  const size_t E = xs.size();
+  TORCH_CHECK(forms.size() == E && weights.size() == E, "one x, gate, up, down and weight per expert");
+  std::vector<const ExpertForms*> chosen(E);
+  std::vector<ExpertRows> rows(E);
+  std::vector<torch::Tensor> out(E), wts(E);
+  for (size_t e = 0; e < E; ++e) {
+    const ExpertForms& f = forms[e];
+    TORCH_CHECK(f.quantized == forms[0].quantized, "experts all plain or all int");
+    const int64_t K = f.quantized ? f.qgate.K : f.gate.K, H = f.quantized ? f.qdown.N : f.down.N;
+    const auto& x = xs[e];
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+                "x of expert ", e, ": expected a 2-D CPU bfloat16 tensor with contiguous rows");
+    TORCH_CHECK(x.size(1) == K, "x of expert ", e, " has ", x.size(1), " columns, the gate ", K);
+    TORCH_CHECK(weights[e].scalar_type() == torch::kBFloat16 && weights[e].numel() == x.size(0), "expert ", e,
+                ": expected one bfloat16 routing weight per token");
+    wts[e] = weights[e].contiguous();
+    out[e] = torch::empty({x.size(0), H}, x.options());
+    rows[e] = {reinterpret_cast<const bf16*>(x.data_ptr()), x.stride(0), x.size(0),
+               reinterpret_cast<const bf16*>(wts[e].data_ptr()), 1, reinterpret_cast<bf16*>(out[e].data_ptr()), H};
+    chosen[e] = &f;
+  }
+  if (E > 0 && forms[0].quantized) run_experts_int(chosen, rows);
+  else if (E > 0) run_experts_plain(chosen, rows);
+  return out;
+}
+
 // residual + the routed experts of one row x [1, H], summed in the order given (the caller's ascending expert
 // order) (+ shared): combine_add's sum of the experts' parts (run_experts_plain / run_experts_int). weights [k]
 // bf16: the row's routing weights; slots[e]: expert e's place among them; gates / ups / downs[e]: [W] (plain) or

@@ -38,6 +38,10 @@ offload_native::Form int_form(const std::vector<torch::Tensor>& parts, const cha
 // quantized (int_cpu.cpp)
 void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
 void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
+// the Python-facing experts() / experts_int(): xs[e] [M_e, K] the rows routed to expert e, weights[e] their M_e
+// bf16 routing weights -> each expert's part [M_e, H] (layer_cpu.cpp)
+std::vector<torch::Tensor> experts_on(const std::vector<torch::Tensor>& xs, const std::vector<ExpertForms>& forms,
+                                      const std::vector<torch::Tensor>& weights);
 // x + parts summed in the order given (+ shared), one row of H (decode_cpu.cpp; combine_add's arithmetic)
 void combine_rows(const offload_native::bf16* x, const std::vector<const offload_native::bf16*>& parts,
                   const offload_native::bf16* shared, offload_native::bf16* out, int64_t H);
