@@ -298,9 +298,12 @@ def test_keyboard_interrupt_during_open_leaves_nothing_behind(model):
         read_range(files, r, blob)
 
     threads, fds = threading.active_count(), open_fds()
-    t0 = time.monotonic()
-    Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io="off", read_fn=slow_read).close()
-    span = time.monotonic() - t0
+    spans = []
+    for _ in range(2):  # the shorter of two: a worker's first open also pays one-time costs (imports, page cache)
+        t0 = time.monotonic()
+        Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io="off", read_fn=slow_read).close()
+        spans.append(time.monotonic() - t0)
+    span = min(spans)
     interrupted = 0
     for _ in range(max(4, TRIALS // 2)):
         box = {}
@@ -309,7 +312,7 @@ def test_keyboard_interrupt_during_open_leaves_nothing_behind(model):
             box["engine"] = Engine.open(path, budget=Budget(ram="25%"), max_context=CONTEXT, direct_io="off",
                                         read_fn=slow_read)
 
-        outcome, _ = interrupt_after(rng.uniform(0, span), open_it)
+        outcome, _ = interrupt_after(rng.uniform(0, 0.9 * span), open_it)
         if "engine" in box:
             box.pop("engine").close()
         else:
