@@ -129,14 +129,16 @@ def test_an_experts_bits_do_not_depend_on_its_company_or_threads() -> None:
 
 def test_the_scratch_kept_between_calls_changes_no_bits() -> None:
     """run_experts_int keeps its inputs' quantized digits and outputs in the calling thread's scratch: a call after
-    others of other shapes (fused forms, more rows, the same x shared by every expert as in a decode step) gives
-    the bits of the first."""
+    others of other shapes (fused forms, more rows, the same x shared by every expert as in a decode step, rows
+    enough to free the scratch) gives the bits of the first."""
     xs, gates, ups, downs, ws = _experts(4, 128, 64, ("int4", "int8"), seed=3)
     first = native.experts_int(xs, gates, ups, downs, ws)
     row = xs[0][:1].contiguous()
     moe = native.moe_row(row, row, torch.ones(4).bfloat16(), [3, 2, 1, 0], gates, ups, downs, None)
     native.experts_int(*_experts(6, 128, 96, ("int8", "int4"), seed=4, fused=True))
     native.experts_int([row] * 4, gates, ups, downs, [torch.ones(1).bfloat16()] * 4)
+    many = torch.randn(300, 128).bfloat16()  # over kKeptRows: the scratch is freed after it
+    native.experts_int([many], gates[:1], ups[:1], downs[:1], [torch.ones(300).bfloat16()])
     assert all(torch.equal(a, b) for a, b in zip(first, native.experts_int(xs, gates, ups, downs, ws)))
     assert torch.equal(moe, native.moe_row(row, row, torch.ones(4).bfloat16(), [3, 2, 1, 0], gates, ups, downs,
                                            None))

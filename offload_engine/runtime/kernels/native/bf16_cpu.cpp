@@ -154,7 +154,7 @@ PlainMatrix plain_matrix(const torch::Tensor& W, const char* what, int64_t e) {
 // routing weight applied and rounded): part_e = w_e * down_e(silu(gate_e x_e) * (up_e x_e)), into rows[e].out.
 // Two parallel regions: every gate and up row, each thread then taking silu(g) * u of the rows it made; every down
 // row, each thread then applying the routing weights to the rows it made. The scratch is the calling thread's,
-// kept between calls.
+// kept between calls of up to kKeptRows rows.
 void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows) {
   const int64_t E = static_cast<int64_t>(forms.size());
   thread_local std::vector<bf16> scratch_tl;  // per expert: g, u and h [M, I] each, at[e]
@@ -217,6 +217,9 @@ void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::
       }
     }
   });
+  int64_t total = 0;
+  for (const auto& r : rows) total += r.M;
+  if (total > kKeptRows) std::vector<bf16>().swap(scratch);
 }
 
 // run_experts_plain over tensors (experts_on): xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K];

@@ -222,7 +222,7 @@ torch::Tensor int_linear(const torch::Tensor& x, const std::vector<torch::Tensor
 // runtime/arch/base.expert_forward rounds them in bf16 (each product, silu(g), g * u, the routing weight):
 // part_e = w_e * down_e(silu(gate_e x_e) * (up_e x_e)), into rows[e].out. Three parallel regions: every gate and up
 // projection; silu(g) * u and the down projections' inputs, experts split over the threads; every down projection
-// and its routing weight. The scratch is the calling thread's, kept between calls (no allocation once warm).
+// and its routing weight. The scratch is the calling thread's, kept between calls of up to kKeptRows rows.
 void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows) {
   const int64_t E = static_cast<int64_t>(forms.size());
   thread_local std::vector<Act> xin_tl, hin_tl;  // x for each expert's gate and up forms (their groups may differ)
@@ -268,6 +268,11 @@ void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::ve
   for (int64_t e = 0; e < E; ++e)
     projs.push_back({forms[e]->qdown, &hin[e], rows[e].out, rows[e].ldo, rows[e].weight, rows[e].weight_step});
   run_all(projs);
+  int64_t total = 0;
+  for (const auto& r : rows) total += r.M;
+  if (total > kKeptRows) {
+    std::vector<Act>().swap(xin), std::vector<Act>().swap(hin), std::vector<bf16>().swap(gu);
+  }
 }
 
 // run_experts_int over tensors (experts_on): xs[e] [M_e, K] bf16 rows; gates[e] / ups[e] / downs[e]: the forms'

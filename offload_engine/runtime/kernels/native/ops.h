@@ -36,6 +36,9 @@ PlainMatrix plain_matrix(const torch::Tensor& W, const char* what, int64_t e);
 offload_native::Form int_form(const std::vector<torch::Tensor>& parts, const char* what, int64_t e);
 // every expert's part for its rows, one parallel region per stage; all experts plain (bf16_cpu.cpp) or all
 // quantized (int_cpu.cpp)
+// Their scratch stays allocated after calls of at most kKeptRows rows in all (the runtime sends at most 16 rows of x,
+// kernels/decode.py MAX_ROWS, times top-k), and is freed after larger ones, which would otherwise hold their peak
+constexpr int64_t kKeptRows = 256;
 void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
 void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
 // the Python-facing experts() / experts_int(): xs[e] [M_e, K] the rows routed to expert e, weights[e] their M_e
