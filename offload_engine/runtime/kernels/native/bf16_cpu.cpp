@@ -208,18 +208,12 @@ void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::
       blocks.push_back({f.down.W, f.down.ld, h_of(s.e), f.inter, x.M, f.inter, x.out, x.ldo, s.a, s.b});
     }
     run_in_order(blocks);
-    for (const Span& s : spans) {  // the routing weight, rounded as torch's bf16 multiply rounds it
+    for (const Span& s : spans) {
       const ExpertRows& x = rows[s.e];
-      for (int64_t m = 0; m < x.M; ++m) {
-        const float w = to_float(x.weight[m * x.weight_step]);
-        bf16* row = x.out + m * x.ldo;
-        for (int64_t j = s.a; j < s.b; ++j) row[j] = to_bf16(to_float(row[j]) * w);
-      }
+      offload_native::weigh_rows(x.out, x.ldo, x.M, x.weight, x.weight_step, s.a, s.b);
     }
   });
-  int64_t total = 0;
-  for (const auto& r : rows) total += r.M;
-  if (total > kKeptRows) std::vector<bf16>().swap(scratch);
+  if (!keeps_scratch(rows)) std::vector<bf16>().swap(scratch);
 }
 
 // run_experts_plain over tensors (experts_on): xs[e] [M_e, K] the tokens routed to expert e; gates/ups [I, K];

@@ -32,4 +32,14 @@ inline bf16 silu_times(bf16 g, bf16 u) {
   return to_bf16(act * to_float(u));
 }
 
+// rows [0, M) of out (ldo apart), columns [a, b), times each row's routing weight (weight[m * step]), rounded as
+// torch's bf16 multiply rounds it: an expert's part, its down projection rounded first
+inline void weigh_rows(bf16* out, int64_t ldo, int64_t M, const bf16* weight, int64_t step, int64_t a, int64_t b) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float w = to_float(weight[m * step]);
+    bf16* row = out + m * ldo;
+    for (int64_t j = a; j < b; ++j) row[j] = to_bf16(to_float(row[j]) * w);
+  }
+}
+
 }  // namespace offload_native

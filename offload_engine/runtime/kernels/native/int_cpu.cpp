@@ -133,12 +133,8 @@ void run_all(const std::vector<Proj>& projs) {
     for (int64_t t = t0; t < t1; ++t) {
       const Proj& p = projs[tasks[t].proj];
       run_rows(p, tasks[t].n0, tasks[t].n1);
-      if (p.weight == nullptr) continue;
-      for (int64_t m = 0; m < p.a->M; ++m) {
-        const float w = to_float(p.weight[m * p.weight_step]);
-        bf16* row = p.out + m * p.ldo;
-        for (int64_t j = tasks[t].n0; j < tasks[t].n1; ++j) row[j] = to_bf16(to_float(row[j]) * w);
-      }
+      if (p.weight != nullptr)
+        offload_native::weigh_rows(p.out, p.ldo, p.a->M, p.weight, p.weight_step, tasks[t].n0, tasks[t].n1);
     }
   });
 }
@@ -268,9 +264,7 @@ void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::ve
   for (int64_t e = 0; e < E; ++e)
     projs.push_back({forms[e]->qdown, &hin[e], rows[e].out, rows[e].ldo, rows[e].weight, rows[e].weight_step});
   run_all(projs);
-  int64_t total = 0;
-  for (const auto& r : rows) total += r.M;
-  if (total > kKeptRows) {
+  if (!keeps_scratch(rows)) {
     std::vector<Act>().swap(xin), std::vector<Act>().swap(hin), std::vector<bf16>().swap(gu);
   }
 }

@@ -39,6 +39,11 @@ offload_native::Form int_form(const std::vector<torch::Tensor>& parts, const cha
 // Their scratch stays allocated after calls of at most kKeptRows rows in all (the runtime sends at most 16 rows of x,
 // kernels/decode.py MAX_ROWS, times top-k), and is freed after larger ones, which would otherwise hold their peak
 constexpr int64_t kKeptRows = 256;
+inline bool keeps_scratch(const std::vector<ExpertRows>& rows) {
+  int64_t total = 0;
+  for (const auto& r : rows) total += r.M;
+  return total <= kKeptRows;
+}
 void run_experts_plain(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
 void run_experts_int(const std::vector<const ExpertForms*>& forms, const std::vector<ExpertRows>& rows);
 // the Python-facing experts() / experts_int(): xs[e] [M_e, K] the rows routed to expert e, weights[e] their M_e
