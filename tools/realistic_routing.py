@@ -50,29 +50,33 @@ class RoutingPreset:
     seed: int = 0
 
 
-def _unit(rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
-    v = torch.randn(rows, dim, generator=gen, dtype=torch.float64)
+def _unit(rows: int, dim: int, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    v = torch.randn(rows, dim, generator=gen, dtype=dtype)
     return v / v.norm(dim=1, keepdim=True)
 
 
-def routing_weights(vocab: int, hidden: int, experts: int, layers: list[int], p: RoutingPreset):
-    """(embed [V, H], lm_head [V, H], {layer: router [E, H]}, cycle order) in float64."""
+def routing_weights(vocab: int, hidden: int, experts: int, layers: list[int], p: RoutingPreset,
+                    dtype: torch.dtype = torch.float64):
+    """(embed [V, H], lm_head [V, H], {layer: router [E, H]}, cycle order) in `dtype` (float64 by default;
+    float32 halves the peak for a full-size vocabulary: 151k x 2048 is 1.2 GB a matrix there)."""
     gen = torch.Generator().manual_seed(p.seed)
-    tokens = _unit(vocab, hidden, gen)
+    tokens = _unit(vocab, hidden, gen, dtype)
     order = torch.randperm(vocab, generator=gen)  # the cycle: order[i] -> order[i + 1]
     pos = torch.empty(vocab, dtype=torch.long)
     pos[order] = torch.arange(vocab)
-    topics = _unit(-(-vocab // p.segment), hidden, gen)
-    common = _unit(1, hidden, gen)[0]
+    topics = _unit(-(-vocab // p.segment), hidden, gen, dtype)
+    common = _unit(1, hidden, gen, dtype)[0]
     # the token vectors carry no common part: lm_head (token vectors) then ignores it
     tokens = tokens - (tokens @ common)[:, None] * common[None, :]
     tokens = tokens / tokens.norm(dim=1, keepdim=True)
     mix = p.token * tokens + p.topic * topics[pos // p.segment] + p.common * common
-    embed = p.scale * mix / mix.norm(dim=1, keepdim=True)
+    del topics
+    embed = mix.div_(mix.norm(dim=1, keepdim=True)).mul_(p.scale)
     pred = torch.empty(vocab, dtype=torch.long)
     pred[order] = order.roll(1)  # pred[order[i]] = order[i - 1]
-    head = p.head * tokens[pred]
-    ranks = torch.arange(1, experts + 1, dtype=torch.float64)
+    head = tokens[pred].mul_(p.head)
+    del tokens
+    ranks = torch.arange(1, experts + 1, dtype=dtype)
     log_pop = -p.zipf * ranks.log()
     log_pop = log_pop - log_pop.mean()
     routers = {}
@@ -80,7 +84,7 @@ def routing_weights(vocab: int, hidden: int, experts: int, layers: list[int], p:
         # the router's input is RMS-normed (norm sqrt(H)): <row, x> of a random row ~ N(0, 1); along the
         # common direction x has sqrt(H) * common / |mix|, so the bias row adds popularity * log_pop / |mix|
         # in the units where the token and topic parts have standard deviations `token` / |mix|, `topic` / |mix|
-        rand = torch.randn(experts, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
+        rand = torch.randn(experts, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden)
         bias = log_pop[torch.randperm(experts, generator=gen)] * p.popularity
         routers[layer] = rand + bias[:, None] * common[None, :] / (max(p.common, 1e-9) * math.sqrt(hidden))
     return embed, head, routers, order
