@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools import llama_peer  # noqa: E402
+from tests.llama_cpp_build import require_llama_cpp  # noqa: E402
 from tools.bench_physical import (active_bytes_gguf, active_bytes_hf, measure_memory_read_bandwidth,  # noqa: E402
                                   physical_bound)
 
@@ -128,9 +129,9 @@ def test_peer_option():
     assert (a.peer, a.llama) == (True, False)
 
 
-@pytest.mark.skipif(llama_peer.built() is None, reason="llama.cpp not built (python tools/llama_peer.py build)")
 def test_llama_peer_smoke(quick_bf16, tmp_path):
     """The tiny checkpoint through llama.cpp's converter, llama-quantize and llama-bench (a few seconds)."""
+    require_llama_cpp()
     gguf = llama_peer.convert(quick_bf16, tmp_path / "m-BF16.gguf", "bf16")
     q8 = llama_peer.quantize(gguf, "Q8_0")
     assert q8.name == "m-Q8_0.gguf" and 0 < q8.stat().st_size < gguf.stat().st_size

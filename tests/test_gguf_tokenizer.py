@@ -27,6 +27,7 @@ from offload_engine.tokenizer import Tokenizer
 from tools import llama_tokenize
 from tools.gguf_from_hf import write_gguf
 from tools.llama_peer import source_dir
+from tests.llama_cpp_build import require_llama_cpp
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -144,8 +145,8 @@ def test_equals_transformers_llama_loader_given_a_leading_space(files):
 def test_equals_llama_cpp_on_every_string(files, name):
     """llama.cpp's own llama_tokenize on the same file (tools/llama_tokenize.py), BOS as the file says and without,
     with and without `add_space_prefix` (which transformers' loader does not read: it always prefixes)."""
-    if not llama_tokenize.available():
-        pytest.skip("llama.cpp's CPU build not cached (python tools/llama_peer.py build)")
+    require_llama_cpp()
+    assert llama_tokenize.available(), "llama.cpp is built but the sdist's llama_cpp bindings or libllama.so are missing"
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "llama_tokenize.py"), str(files[name])],
                          input=json.dumps(STRINGS), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

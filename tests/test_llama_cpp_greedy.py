@@ -13,6 +13,7 @@ import pytest
 from offload_engine import Engine
 from offload_engine.generate.prefix_cache import common_prefix
 from tests.conftest import ROOT
+from tests.llama_cpp_build import require_llama_cpp
 from tools import llama_peer
 from tools.llama_compare import PROMPTS
 
@@ -22,8 +23,7 @@ DEMO = ROOT / "offload_engine" / "data" / "demo-model"
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
-    if llama_peer.built() is None or not llama_peer.source_dir().is_dir():
-        pytest.skip("llama.cpp is not built in the cache (python tools/llama_peer.py build)")
+    require_llama_cpp()
     out = tmp_path_factory.mktemp("llama")
     f32 = llama_peer.convert(DEMO, out / "demo-f32.gguf", "f32")
     return {"f32": f32, "Q8_0": llama_peer.quantize(f32, "Q8_0")}
