@@ -26,3 +26,25 @@ def test_written_folder_opens_and_runs(tmp_path, quant):
     with Engine.open(out, max_context=64) as engine:
         tokens = engine.generate(list(range(1, 9)), max_new_tokens=4, ignore_eos=True).token_ids
     assert len(tokens) == 4
+
+
+def test_realistic_routing_writes_the_routing_tools_tensors(tmp_path):
+    """--routing realistic: the embedding, head and routers are tools/realistic_routing.py's (in float32, rounded
+    once to the checkpoint's bf16), the rest is noise as before."""
+    import torch
+    from safetensors import safe_open
+
+    from tools.realistic_routing import MARKER, RoutingPreset, routing_weights
+
+    out = tmp_path / "realistic"
+    write_synthetic(TINY, out, "ct-int4", realistic=True)
+    embed, head, routers, _ = routing_weights(256, 64, 8, [0, 1], RoutingPreset(), dtype=torch.float32)
+    got = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            got.update({n: f.get_tensor(n) for n in f.keys()
+                        if n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight")})
+    assert torch.equal(got["model.embed_tokens.weight"], embed.to(torch.bfloat16))
+    assert torch.equal(got["lm_head.weight"], head.to(torch.bfloat16))
+    assert torch.equal(got["model.layers.1.mlp.gate.weight"], routers[1].to(torch.bfloat16))
+    assert (out / MARKER).is_file()

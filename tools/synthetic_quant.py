@@ -70,9 +70,27 @@ def draw(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Gener
     return (torch.randn(shape, generator=gen, device=device) * STD).to(dtype)
 
 
+def realistic_tensors(config: dict) -> dict[str, torch.Tensor]:
+    """tools/realistic_routing.py's embedding, head and routers for `config` (float32: a 151k vocabulary), by the
+    names of transformers' class, so that a written checkpoint routes with a published-like locality."""
+    try:
+        from tools.realistic_routing import RoutingPreset, routing_weights
+    except ModuleNotFoundError:
+        from realistic_routing import RoutingPreset, routing_weights  # type: ignore
+    layers = list(range(config["num_hidden_layers"]))
+    experts = config.get("num_experts") or config.get("n_routed_experts")
+    embed, head, routers, _ = routing_weights(config["vocab_size"], config["hidden_size"], experts, layers,
+                                              RoutingPreset(), dtype=torch.float32)
+    out = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
+    out.update({f"model.layers.{i}.mlp.gate.weight": r for i, r in routers.items()})
+    return out
+
+
 def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = QuantOptions(),
-                    device: str = "cpu", shard_bytes: int = 2 << 30, fused_experts: bool = False) -> dict:
-    """Write the folder (config.json with its quantization_config, shards, index). Returns bytes and seconds."""
+                    device: str = "cpu", shard_bytes: int = 2 << 30, fused_experts: bool = False,
+                    realistic: bool = False) -> dict:
+    """Write the folder (config.json with its quantization_config, shards, index). Returns bytes and seconds.
+    `realistic`: the embedding, head and routers of tools/realistic_routing.py instead of noise."""
     if quant not in QUANTS:
         raise SystemExit(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
     tmp = out.with_name(out.name + ".partial")  # published by one rename: never a half-written folder at `out`
@@ -80,6 +98,7 @@ def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = Qu
     tmp.mkdir(parents=True)
     gen = torch.Generator(device=device).manual_seed(opts.seed)
     shapes = tensor_shapes(config, fused_experts)
+    chosen = realistic_tensors(config) if realistic else {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, total, started = 0, 0, time.perf_counter()
     names = []
@@ -94,7 +113,7 @@ def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = Qu
 
     weight_map: dict[str, int] = {}
     for name, (shape, dtype) in tqdm(shapes.items(), desc=f"writing {quant}", unit="tensor"):
-        t = draw(name, shape, dtype, gen, device)
+        t = chosen.pop(name).to(dtype) if name in chosen else draw(name, shape, dtype, gen, device)
         parts = quantize_tensor(name, t, quant, opts, gen) if quantizable(name, t) else {name: t}
         for part, value in parts.items():
             value = value.contiguous().cpu()
@@ -110,6 +129,14 @@ def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = Qu
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config = {**config, "torch_dtype": "bfloat16", "quantization_config": quant_config(quant, opts)}
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if realistic:  # the marker tools/realistic_routing.py leaves: the settings applied
+        from dataclasses import asdict
+
+        try:
+            from tools.realistic_routing import MARKER, RoutingPreset
+        except ModuleNotFoundError:
+            from realistic_routing import MARKER, RoutingPreset  # type: ignore
+        (tmp / MARKER).write_text(json.dumps(asdict(RoutingPreset()), indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -127,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=32, help="int4 group size (default 32)")
     ap.add_argument("--fused-experts", action="store_true",
                     help="store routed experts fused (Qwen3.5-MoE / gpt-oss releases) instead of per expert")
+    ap.add_argument("--routing", default="random", choices=("random", "realistic"),
+                    help="realistic: tools/realistic_routing.py's embedding, head and routers (MoE configs)")
     args = ap.parse_args(argv)
     config = json.loads(args.config.read_text())
     if args.layers is not None:
         config["num_hidden_layers"] = args.layers
     result = write_synthetic(config, args.out, args.quant, QuantOptions(group_size=args.group), args.device,
-                             args.shard_size, args.fused_experts)
+                             args.shard_size, args.fused_experts, args.routing == "realistic")
     print(f"wrote {args.out}: {result['bytes'] / 2**30:.2f} GiB in {result['shards']} shards, "
           f"{result['tensors']} tensors, {result['seconds']:.0f} s")
     return 0
