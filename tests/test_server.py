@@ -115,11 +115,8 @@ def test_stop_strings(client, engine):
     assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_reproducible(client):
-    kw = dict(model="demo-model", messages=MSGS, max_tokens=16, temperature=0.9, top_p=0.95)
-    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
-    b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
-    assert a == b
+# seeded sampling (reproduces, follows the temperature) and client disconnects (stop the engine within a few steps):
+# tests/test_server_faults.py, each shown to fail against a server that drops the temperature / ignores the disconnect
 
 
 def test_n_refused_and_unknown_model(client):
@@ -189,21 +186,6 @@ def test_concurrent_clients_do_not_mix(base, engine):
         assert body["choices"][0]["text"] == want[tuple(p)].text
         assert body["usage"]["completion_tokens"] == len(want[tuple(p)].token_ids)
         assert body["offload_engine"]["prompt_tokens"] == len(p)
-
-
-def test_disconnects_mid_stream_free_the_engine(base):
-    for _ in range(20):
-        with httpx.stream("POST", base + "/v1/completions",
-                          json={"prompt": "def f(x):", "max_tokens": 500, "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break  # leave after the first token
-    deadline = time.monotonic() + 10
-    while httpx.get(base + "/health").json()["busy"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not httpx.get(base + "/health").json()["busy"]
-    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
-    assert r.status_code == 200
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -35,11 +35,13 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_limit: int = 4096
     max_queue: int = 64
+    # False only in tests: a server that ignores a client leaving, which the disconnect test must catch
+    cancel_on_disconnect: bool = True
 
 
 def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
-    worker = EngineWorker(settings.max_queue, on_finish=metrics.record)
+    worker = EngineWorker(settings.max_queue, on_finish=metrics.record, on_token=metrics.count_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -156,6 +158,10 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
         except (ConfigError, OffloadEngineError) as e:
             raise ApiError(400, str(e)) from None
         job = Job(start=start, loop=asyncio.get_running_loop())
+
+        def client_left() -> None:  # the worker stops the job at its next step
+            if settings.cancel_on_disconnect:
+                job.cancelled.set()
         try:
             worker.submit(job)
         except QueueFull as e:
@@ -164,12 +170,15 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 "model": settings.model_id}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(_sse(job, meta, chat, len(ids), include_usage), media_type="text/event-stream",
+            return StreamingResponse(_sse(job, meta, chat, len(ids), include_usage, client_left),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watch = asyncio.create_task(_on_disconnect(request, client_left))
         try:
             finish = await _finish(job)
         finally:
-            job.cancelled.set()  # a client gone before the end cancels its generation
+            watch.cancel()
+            client_left()  # also when this handler is cancelled: its client is gone
         return JSONResponse(_complete(meta, chat, finish, len(ids)))
 
     return app
@@ -201,6 +210,14 @@ async def read_body(request: Request, cap: int) -> bytes:
                            code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _on_disconnect(request: Request, client_left: Callable[[], None]) -> None:
+    """A non-streamed answer sends nothing before its end, so nothing fails when its client leaves: listen for the
+    disconnect instead (the body is read by now, so `receive` returns only when the client goes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    client_left()
 
 
 async def _finish(job: Job) -> FinishEvent:
@@ -252,9 +269,10 @@ def _sse_line(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _sse(job: Job, meta: dict, chat: bool, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(job: Job, meta: dict, chat: bool, prompt_tokens: int, include_usage: bool,
+               client_left: Callable[[], None]) -> AsyncIterator[str]:
     """SSE chunks: a role chunk (chat), one per token text, a finish chunk, the usage chunk if asked, [DONE].
-    Cancelled (the client disconnected), it marks the job so the worker stops it at the next step."""
+    Cancelled (the client disconnected), it calls `client_left`, which stops the job at the worker's next step."""
     try:
         if chat:
             yield _sse_line(_chunk(meta, chat, "", None, first=True))
@@ -276,7 +294,7 @@ async def _sse(job: Job, meta: dict, chat: bool, prompt_tokens: int, include_usa
                                      "usage": _usage(prompt_tokens, item)})
         yield "data: [DONE]\n\n"
     finally:
-        job.cancelled.set()
+        client_left()
 
 
 def _jsonable(stats: dict) -> dict:

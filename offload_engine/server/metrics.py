@@ -11,6 +11,7 @@ class Metrics:
     errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    generated_tokens: int = 0  # every token the engine produced, those of requests cancelled midway included
     reused_prompt_tokens: int = 0
     decode_tok_s: float = 0.0  # of the last request
     hit_rate: float = 1.0  # of the last request, in the tier the model computes from
@@ -32,6 +33,10 @@ class Metrics:
                 if isinstance(value, (int, float)):
                     self.bytes_read[tier] = self.bytes_read.get(tier, 0) + int(value)
 
+    def count_token(self) -> None:
+        with self.lock:
+            self.generated_tokens += 1
+
     def text(self, queue_length: int, busy: bool) -> str:
         with self.lock:
             lines = [
@@ -44,6 +49,8 @@ class Metrics:
                 f"offload_engine_reused_prompt_tokens_total {self.reused_prompt_tokens}",
                 "# TYPE offload_engine_completion_tokens_total counter",
                 f"offload_engine_completion_tokens_total {self.completion_tokens}",
+                "# TYPE offload_engine_generated_tokens_total counter",
+                f"offload_engine_generated_tokens_total {self.generated_tokens}",
                 "# TYPE offload_engine_decode_tokens_per_second gauge",
                 f"offload_engine_decode_tokens_per_second {self.decode_tok_s:.6g}",
                 "# TYPE offload_engine_hit_rate gauge",

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from ..generate.decoder import FinishEvent
+from ..generate.decoder import FinishEvent, TokenEvent
 
 DONE = object()  # the end of a job's events
 
@@ -31,11 +31,12 @@ class QueueFull(Exception):
 
 
 class EngineWorker:
-    def __init__(self, max_queue: int, on_finish: Callable[[dict], None] | None = None):
+    def __init__(self, max_queue: int, on_finish: Callable[[dict], None] | None = None,
+                 on_token: Callable[[], None] | None = None):
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.busy = False
         self.current: Job | None = None  # the job being served
-        self.on_finish = on_finish
+        self.on_finish, self.on_token = on_finish, on_token
         self.thread = threading.Thread(target=self._run, name="offload-engine-worker", daemon=True)
         self.thread.start()
 
@@ -84,6 +85,8 @@ class EngineWorker:
         try:
             events = job.start()
             for event in events:
+                if isinstance(event, TokenEvent) and self.on_token is not None:
+                    self.on_token()  # counted before the check below: the step that ran after a cancel counts
                 if job.cancelled.is_set():
                     break  # the client left: close the stream now (between two steps), freeing the engine
                 if isinstance(event, FinishEvent) and self.on_finish is not None:
