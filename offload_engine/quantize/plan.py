@@ -119,6 +119,18 @@ class QuantPlan:
             if any(_FUSED.search(n) for n in quantized):
                 out.append("fused expert tensors (*_packed / *_scale beside experts.gate_up_proj): this engine "
                            "reads them; transformers does not")
+            low = sorted({str(t.scale_dtype).removeprefix("torch.") for t in self.tensors
+                          if t.scheme is not None and t.scheme.kind == "int" and ".experts." in t.name
+                          and not _FUSED.search(t.name) and t.scale_dtype != torch.float32})
+            if low:
+                out.append(f"{'/'.join(low)} scales on packed experts: transformers loading this folder with "
+                           f"dtype=float32 keeps the experts in {'/'.join(low)} (its MoE loader dequantizes them in "
+                           "the scale's dtype); load it in that dtype there (docs/FORMATS.md)")
+        if self.fitted:
+            out.append("fitted groups: compressed-tensors' checkpoint converter (convert_checkpoint) reads these "
+                       "modules with group_0's group size and refuses them; transformers' dense layers, "
+                       "compressed-tensors' module matching and this engine take the group naming them "
+                       "(docs/FORMATS.md)")
         return out
 
     def quantization_config(self) -> dict:
