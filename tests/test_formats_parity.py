@@ -1,14 +1,18 @@
 """Quantized checkpoints (tools/make_checkpoint.py --quant) against transformers run on their dequantized weights.
 
 The dequantized reference never touches the engine's code: compressed-tensors' own decompressor for its formats,
-transformers' own MXFP4 dequantization, and for fp8 block, GPTQ and AWQ the formats' published definitions written
-out below. The reference weights are saved as a plain fp32 folder that transformers (and, for MTP layers, which
-transformers' causal LM does not run, the engine's already-verified plain path) read.
+transformers' own MXFP4 dequantization, AutoGPTQ's QuantLinear for GPTQ v1 and AutoAWQ's dequantize_gemm for AWQ
+(their releases' files, tools/quant_peers.py; where the package index cannot be reached, the layouts written out
+below, with a warning), and for fp8 block and GPTQ v2 (gptqmodel's: zeros stored as they are, which AutoGPTQ does
+not read) the formats' published definitions written out below. The reference weights are saved as a plain fp32
+folder that transformers (and, for MTP layers, which transformers' causal LM does not run, the engine's
+already-verified plain path) read.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from offload_engine import Budget, Engine
+from tools import quant_peers
 from tools.quant_writers import QuantOptions
 
 PROMPT_LEN, NEW_TOKENS = 48, 16
@@ -36,8 +41,25 @@ def ref_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, in
     return q.float() * scale_inv.float()[rows][:, cols]
 
 
-def ref_gptq(qweight, qzeros, scales, g_idx, bits: int) -> torch.Tensor:
-    """GPTQ (AutoGPTQ v1): qweight packs inputs along rows, qzeros outputs along columns, zeros stored minus one."""
+def peer_or_none(name: str):
+    try:
+        return quant_peers.load(name)
+    except quant_peers.QuantPeerError as e:
+        warnings.warn(f"{name}: the format's own code is not available, its layout written out here is the "
+                      f"reference ({e})")
+        return None
+
+
+def ref_gptq(qweight, qzeros, scales, g_idx, bits: int, v2: bool = False) -> torch.Tensor:
+    """GPTQ v1: AutoGPTQ's own QuantLinear; v2 (or AutoGPTQ not available): the layout, below."""
+    if not v2 and peer_or_none("auto_gptq_qlinear") is not None:
+        return quant_peers.autogptq_dense(qweight, qzeros, scales, g_idx, bits)
+    return ref_gptq_layout(qweight, qzeros, scales, g_idx, bits, v2)
+
+
+def ref_gptq_layout(qweight, qzeros, scales, g_idx, bits: int, v2: bool = False) -> torch.Tensor:
+    """GPTQ: qweight packs inputs along rows, qzeros outputs along columns, zeros stored minus one (v1, AutoGPTQ)
+    or as they are (v2, gptqmodel)."""
     per = 32 // bits
     inp, out = qweight.shape[0] * per, qweight.shape[1]
     q = torch.empty(inp, out, dtype=torch.int64)
@@ -47,10 +69,17 @@ def ref_gptq(qweight, qzeros, scales, g_idx, bits: int) -> torch.Tensor:
     for i in range(per):
         z[:, i::per] = fields(qzeros, bits, i)
     g = g_idx.long()
-    return (scales.float()[g] * (q - (z[g] + 1)).float()).t()
+    return (scales.float()[g] * (q - (z[g] + (0 if v2 else 1))).float()).t()
 
 
 def ref_awq(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    """AWQ GEMM: AutoAWQ's own dequantize_gemm (or, not available, the layout below)."""
+    if peer_or_none("awq_packing") is not None:
+        return quant_peers.autoawq_dense(qweight, qzeros, scales, group)
+    return ref_awq_layout(qweight, qzeros, scales, group)
+
+
+def ref_awq_layout(qweight, qzeros, scales, group: int) -> torch.Tensor:
     """AWQ GEMM: nibble i of word k holds column 8k + AWQ_ORDER[i]; W^T = (q - z) * s per input group."""
     def unpack(words):
         out = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
@@ -115,8 +144,9 @@ def dequantized_folder(qpath: Path, out: Path) -> Path:
         elif name.endswith(".qweight"):
             m = name.removesuffix(".qweight")
             if method == "gptq":
+                v2 = (qc.get("checkpoint_format") or qc.get("format") or "gptq") == "gptq_v2"
                 plain[m + ".weight"] = ref_gptq(t, tensors[m + ".qzeros"], tensors[m + ".scales"],
-                                                tensors[m + ".g_idx"], qc["bits"])
+                                                tensors[m + ".g_idx"], qc["bits"], v2)
             else:
                 plain[m + ".weight"] = ref_awq(t, tensors[m + ".qzeros"], tensors[m + ".scales"], qc["group_size"])
         elif name.endswith("_blocks"):
@@ -166,6 +196,12 @@ CASES = [
     ("deepseek_v3", "ct-fp8", {"strategy": "block", "block": 16}),
     ("llama", "gptq", {}), ("qwen3_moe", "gptq", {"desc_act": True}), ("llama", "gptq", {"bits": 8}),
     ("llama", "gptq", {"group_size": -1, "desc_act": True}),
+    # asymmetric GPTQ (a zero per group and output column): in order (int4 kernel), act-order (dequantized), 8-bit
+    # one group (int8 kernel with its zero term), v2 zeros (0 included) with act-order
+    ("llama", "gptq", {"symmetric": False}), ("qwen3_moe", "gptq", {"symmetric": False, "desc_act": True}),
+    ("llama", "gptq", {"symmetric": False, "bits": 8, "group_size": -1}),
+    ("llama", "gptq", {"symmetric": False, "gptq_format": "gptq_v2"}),
+    ("qwen3_moe", "gptq", {"symmetric": False, "bits": 8, "desc_act": True, "gptq_format": "gptq_v2"}),
     ("llama", "awq", {}), ("qwen3_moe", "awq", {}),
 ]
 

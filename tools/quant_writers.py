@@ -11,8 +11,13 @@ config.json's `quantization_config`. MTP layers are quantized like the trunk, as
   ct-int8    compressed-tensors pack-quantized int8 channel (llm-compressor's W8A16), likewise; with
              QuantOptions(ct_format="int-quantized") the int8 values unpacked (W8A8's format, the library's)
   ct-fp8     compressed-tensors float-quantized fp8, channel (FP8_DYNAMIC) or block (FP8_BLOCK) strategy
-  gptq       qweight / qzeros / scales / g_idx, 4 or 8 bits, GPTQ v1 zeros (stored minus one), optional act-order
-  awq        AWQ GEMM: qweight [in, out/8] in nibble order 0,2,4,6,1,3,5,7, qzeros, scales
+  gptq       qweight / qzeros / scales / g_idx, 4 or 8 bits, optional act-order; symmetric (zero 2^(bits-1), as
+             AutoGPTQ's sym=True) or asymmetric (QuantOptions(symmetric=False): AutoGPTQ's min/max quantizer, a
+             zero per group and output column); zeros stored minus one (checkpoint_format "gptq", v1: a zero of 0
+             cannot be stored there, AutoGPTQ's packer writes its -1 over the neighbouring fields, so v1 zeros are
+             kept >= 1) or as they are (QuantOptions(gptq_format="gptq_v2"), gptqmodel's v2)
+  awq        AWQ GEMM: qweight [in, out/8] in nibble order 0,2,4,6,1,3,5,7, qzeros (a zero per group and output
+             column, AutoAWQ's zero-point quantizer), scales
   mxfp4      gpt-oss: fused experts only, `*_blocks` [E, rows, cols/32, 16] + e8m0 `*_scales` [E, rows, cols/32]
 
 Quantized: every linear weight of the decoder (and MTP) layers; kept: embeddings, lm_head, norms, routers
@@ -42,10 +47,11 @@ FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -
 class QuantOptions:
     block: int = 128  # fp8-block weight_block_size (both dims)
     group_size: int = 32  # ct-int4 / gptq / awq group (gptq: -1 for one group)
-    symmetric: bool = True  # ct-int4 / ct-int8
+    symmetric: bool = True  # ct-int4 / ct-int8 / gptq
     strategy: str | None = None  # ct: "group" (int4 default), "channel" (int8 / fp8 default), "block" (fp8)
     ct_format: str = "pack-quantized"  # ct-int4 / ct-int8: or "int-quantized" (int8 values, one per byte)
     bits: int = 4  # gptq
+    gptq_format: str = "gptq"  # gptq checkpoint_format: "gptq" (v1, zeros stored minus one) or "gptq_v2"
     desc_act: bool = False  # gptq act-order: a random permutation of the groups (g_idx)
     seed: int = 0
     input_major_experts: bool = False  # fused experts stored [E, in, out] (gpt-oss in bf16): mxfp4 blocks the input
@@ -111,8 +117,10 @@ def quant_config(quant: str, opts: QuantOptions, kept: tuple[str, ...] = ()) -> 
                                     quantization_status="compressed", ignore=ignore)
         return config.model_dump(mode="json")
     if quant == "gptq":
-        return {"bits": opts.bits, "checkpoint_format": "gptq", "damp_percent": 0.01, "desc_act": opts.desc_act,
-                "group_size": opts.group_size, "quant_method": "gptq", "sym": True, "true_sequential": True}
+        # both names of the format field, as transformers 5's GPTQConfig.to_dict and gptqmodel write them
+        return {"bits": opts.bits, "checkpoint_format": opts.gptq_format, "damp_percent": 0.01,
+                "desc_act": opts.desc_act, "format": opts.gptq_format, "group_size": opts.group_size,
+                "quant_method": "gptq", "sym": opts.symmetric, "true_sequential": True}
     if quant == "awq":
         return {"bits": 4, "group_size": opts.group_size, "modules_to_not_convert": None, "quant_method": "awq",
                 "version": "gemm", "zero_point": True}
@@ -234,15 +242,27 @@ def _gptq(module: str, w: torch.Tensor, opts: QuantOptions, gen: torch.Generator
     order = torch.randperm(inp, generator=gen) if opts.desc_act else torch.arange(inp)
     g_idx = torch.empty(inp, dtype=torch.int32)
     g_idx[order] = (torch.arange(inp) // group).to(torch.int32)  # act-order: groups follow the permuted columns
+    if opts.gptq_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"gptq_format must be 'gptq' or 'gptq_v2', not {opts.gptq_format!r}")
+    v1 = opts.gptq_format == "gptq"
     groups = inp // group
     scales = torch.empty(groups, out)
-    for g in range(groups):  # symmetric: zero at the middle of the range
-        scales[g] = w[:, g_idx == g].abs().amax(1).clamp(min=1e-8) / (maxq // 2)
-    zero = (maxq + 1) // 2
-    q = torch.clamp(torch.round(w.t() / scales[g_idx.long()]) + zero, 0, maxq).to(torch.int64)  # [in, out]
-    zeros = torch.full((groups, out), zero - 1, dtype=torch.int64)  # GPTQ v1 stores zero - 1
-    return {module + ".qweight": _to_int32(_pack_rows_i64(q, bits)), module + ".qzeros": _pack_cols(zeros, bits),
-            module + ".scales": scales.half(), module + ".g_idx": g_idx}
+    zeros = torch.empty(groups, out, dtype=torch.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if opts.symmetric:  # zero at the middle of the range
+            scales[g] = cols.abs().amax(1).clamp(min=1e-8) / (maxq // 2)
+            zeros[g] = (maxq + 1) // 2
+        else:  # AutoGPTQ's Quantizer(sym=False): [min(w, 0), max(w, 0)] in maxq steps, zero = round(-min / s)
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            scales[g] = ((hi - lo) / maxq).clamp(min=1e-8)
+            zeros[g] = torch.round(-lo / scales[g]).clamp(1 if v1 else 0, maxq).to(torch.int64)
+    scales = scales.half()  # stored fp16: quantize with the stored value
+    gi = g_idx.long()
+    q = torch.clamp(torch.round(w.t() / scales.float()[gi]) + zeros[gi], 0, maxq).to(torch.int64)  # [in, out]
+    stored_zeros = zeros - 1 if v1 else zeros  # GPTQ v1 stores zero - 1
+    return {module + ".qweight": _to_int32(_pack_rows_i64(q, bits)),
+            module + ".qzeros": _pack_cols(stored_zeros, bits), module + ".scales": scales, module + ".g_idx": g_idx}
 
 
 def _pack_rows_i64(values: torch.Tensor, bits: int) -> torch.Tensor:

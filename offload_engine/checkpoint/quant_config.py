@@ -171,6 +171,16 @@ def _ct_scheme(name: str, group: Any, top_format: Any, config_path: Path) -> CTS
                     int(group_size) if strategy == "group" else None, block, symmetric)
 
 
+def _format_field(raw: dict, legacy: str, default: str) -> tuple[str, str]:
+    """(field, lower-cased value) of a GPTQ/AWQ layout: transformers 5 and gptqmodel name it `format` and still
+    read (and write) the legacy name (GPTQ `checkpoint_format`, AWQ `version`), which wins where both are set, as
+    in transformers' GPTQConfig / AwqConfig."""
+    for field in (legacy, "format"):
+        if raw.get(field) is not None:
+            return field, str(raw[field]).lower()
+    return legacy, default
+
+
 def _gptq_awq(method: str, raw: dict, config_path: Path) -> QuantConfig:
     bits, group = raw.get("bits", raw.get("w_bit")), raw.get("group_size", raw.get("q_group_size", -1))
     if bits not in ((4, 8) if method == "gptq" else (4,)):
@@ -178,14 +188,14 @@ def _gptq_awq(method: str, raw: dict, config_path: Path) -> QuantConfig:
     if not (group == -1 or _pos_int(group)):
         raise _fail(config_path, "group_size", group, "-1 or a positive integer")
     if method == "awq":
-        version = str(raw.get("version", "gemm")).lower()
+        field, version = _format_field(raw, "version", "gemm")
         if version != "gemm":
-            raise _fail(config_path, "version", raw.get("version"), "'gemm' (the GEMM layout)")
+            raise _fail(config_path, field, raw.get(field), "'gemm' (the GEMM layout)")
         if not raw.get("zero_point", True):
             raise _fail(config_path, "zero_point", False, "true")
         return QuantConfig("awq", bits=4, group_size=group, sym=False)
-    fmt = raw.get("checkpoint_format", "gptq")
+    field, fmt = _format_field(raw, "checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
-        raise _fail(config_path, "checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
+        raise _fail(config_path, field, raw.get(field), "'gptq' or 'gptq_v2'")
     return QuantConfig("gptq", bits=bits, group_size=group, desc_act=bool(raw.get("desc_act", False)),
                        sym=bool(raw.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
