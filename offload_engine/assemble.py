@@ -131,7 +131,8 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     store = build_store(checkpoint, placement, device, dtype, use_direct, config.policy, config.progress,
                         config.read_fn, stall_timeout=config.stall_timeout, copy_fn=config.copy_fn,
                         prefetch_slots=config.prefetch.slots,
-                        prepare=Kernels() if config.kernels == "auto" else None)
+                        prepare=Kernels() if config.kernels == "auto" else None,
+                        keep_cache=resolved.host is None or config.direct_io == "off")  # off: the page cache allowed
     draft = None
     try:
         model = CausalLM(checkpoint, store, device, dtype, max_context=context + SPEC_ROOM,

@@ -26,6 +26,7 @@ from offload_engine.quantize.gptq import dequantize_int, gptq_rows, inverse_fact
 from offload_engine.quantize.scheme import WeightScheme, quantize_rows
 from offload_engine.quantize.writer import SourceReader
 from tests.figures import Figures
+from tests.os_memory import measure, shards, slack
 from tests.test_quantize import HARNESS, PROMPT, engine_greedy, hf_greedy, quantize
 from tools.quantize_eval import bf16_copy, calibration_text, held_out_ppl
 
@@ -328,36 +329,26 @@ def test_sigint_at_random_points_leaves_nothing_when_calibrated(text, checkpoint
     assert len(interrupted) >= 8
 
 
-MEMORY = r'''
-import sys, threading, time
-import psutil
-from offload_engine.cli import main
-from offload_engine.quantize import activations, calibrated, convert  # noqa: F401  (imports before the baseline)
-import tqdm  # noqa: F401
-proc, peak, done = psutil.Process(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.001)
-base = proc.memory_info().rss
-sampler = threading.Thread(target=sample)
-sampler.start()
-rc = main(["quantize", "--model", sys.argv[1], "--out", sys.argv[2], "--weights", "int4", "--ram", "128MiB", "--quiet",
-           "--calibrate", sys.argv[3], "--calibration-tokens", "2048"])
-done.set()
-sampler.join()
-print(rc, peak[0] - base)
-'''
+RAM = 48 << 20  # 42% of the 114 MB checkpoint: enough for 256 tokens (one layer's units, stream, inputs, Hessian)
 
 
 def test_peak_memory_stays_within_ram_when_calibrated(text, checkpoint_factory, tmp_path):
-    """A 114 MB MoE checkpoint calibrated on 2048 tokens with --ram 128MiB: the process grows by at most the
-    budget (the units of a layer, the stream, the layer's inputs, a Hessian and the rows in flight)."""
-    src = checkpoint_factory("qwen3_moe", "medium")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", MEMORY, str(src), str(tmp_path / "q"), str(text)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    rc, grew = map(int, proc.stdout.split()[-2:])
-    assert rc == 0, proc.stderr[-2000:]
-    FIGURES["peak growth calibrated --ram 128MiB"] = f"{grew / 2**20:.0f} MiB"
-    assert grew <= 128 << 20
+    """A 114 MB MoE checkpoint calibrated on 256 tokens with --ram 48MiB: what the OS gave the process (its peak
+    RSS growth over a baseline taken after a warm-up run on a tiny checkpoint, in a clean process:
+    tests/os_memory.py) is within --ram plus slack (10% or 16 MiB: 64 MiB, below the 109 MiB a run holding the
+    model would take). The source's pages left in the page cache are measured too: the quantizer reads its
+    source buffered and leaves them (a figure here, not in the bound: the engine's store drops them, quantize/
+    does not yet)."""
+    src, tiny = checkpoint_factory("qwen3_moe", "medium"), checkpoint_factory("qwen3_moe")
+
+    def run(model: Path, out: Path, tokens: int) -> dict:
+        return {"kind": "cli", "watch": [str(f) for f in shards(model)],
+                "argv": ["quantize", "--model", str(model), "--out", str(out), "--weights", "int4", "--ram",
+                         str(RAM), "--quiet", "--calibrate", str(text), "--calibration-tokens", str(tokens)]}
+
+    (got,) = measure([{**run(src, tmp_path / "q", 256), "warmup": run(tiny, tmp_path / "warm", 64)}], timeout=290)
+    assert got["rc"] == 0
+    model = sum(f.stat().st_size for f in shards(src))
+    FIGURES["peak growth calibrated --ram 48MiB"] = (f"{got['rss'] / 2**20:.0f} MiB (+ {got['cache'] / 2**20:.0f} "
+                                                     f"MiB of the source in the page cache)")
+    assert got["rss"] <= RAM + slack(RAM) < model

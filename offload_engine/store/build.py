@@ -47,7 +47,9 @@ def gds_from_env() -> bool:
 def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch.device, dtype: torch.dtype,
                 direct_io: bool, policy: str, progress: bool, read_fn: ReadFn | None = None,
                 stall_timeout: float | None = None, copy_fn: CopyFn | None = None,
-                prefetch_slots: int = PREFETCH_SLOTS, prepare=None) -> TieredStore:
+                prefetch_slots: int = PREFETCH_SLOTS, prepare=None, keep_cache: bool = True) -> TieredStore:
+    """keep_cache=False: buffered reads leave no pages in the page cache (UnitIO), for --direct-io auto under a
+    RAM budget the weights fit: O_DIRECT is off there, and the cached copy would double what the budget holds."""
     ledger = Ledger({t.name: t.budget for t in placement.tiers})
     timeout = stall_timeout or stall_timeout_from_env()
     staged = max(t.staging_bytes for t in placement.tiers)  # what the placement charged for the bounce buffers
@@ -55,4 +57,4 @@ def build_store(checkpoint: ModelCheckpoint, placement: Placement, device: torch
     return TieredStore(checkpoint, placement, ledger, device, dtype, policy=policy, direct_io=direct_io,
                        threads=READER_THREADS, bounce_bytes=bounce, gds=gds_from_env(), stall_timeout=timeout,
                        read_fn=read_fn, copy_fn=copy_fn, prefetch_slots=prefetch_slots, progress=progress,
-                       prepare=prepare)
+                       prepare=prepare, keep_cache=keep_cache)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import sys
 import threading
@@ -29,6 +30,7 @@ from .readers import reading
 # bytes per read call: progress the stall watchdog sees at least every ~2-40 ms (NVMe to a slow SATA disk), and
 # few, large requests (the bench model's 3 MiB expert in one call: 2.45 ms on this VM's disk; in 1 MiB calls: 2.76)
 READ_CHUNK = 4 << 20
+DROP_GRAIN = max(2 << 20, mmap.PAGESIZE)  # the largest page-cache folio on x86-64 (PMD size)
 
 
 class ShardFiles:
@@ -327,6 +329,11 @@ def _raise_if_shorter(fd: int, r: ReadRange, pos: int) -> None:
 
 
 def drop_cache(fd: int, offset: int, nbytes: int) -> None:
-    """Buffered reads when O_DIRECT is unavailable: tell the kernel we will not reread these pages."""
+    """Buffered reads when O_DIRECT is unavailable: tell the kernel we will not reread these pages. The range is
+    widened to DROP_GRAIN: the kernel drops only the page-cache folios (up to 2 MiB: ext4, xfs) that lie wholly
+    inside it, and a folio across the boundary of two units would stay cached after both were read and dropped
+    (measured: 6-37 MB of a 109 MB model left cached after its load, in 64 KiB to MiB pieces). A neighbour's
+    pages dropped early are read again if needed; folios in use by a read are skipped by the kernel."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        start, end = offset - offset % DROP_GRAIN, -(-(offset + nbytes) // DROP_GRAIN) * DROP_GRAIN
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)

@@ -52,17 +52,17 @@ class TieredStore:
                  threads: int = READER_THREADS, bounce_bytes: int = BOUNCE_BYTES, gds: bool = True,
                  stall_timeout: float = STALL_TIMEOUT_S, read_fn: ReadFn | None = None, copy_fn: CopyFn | None = None,
                  io: UnitIO | None = None, prefetch_slots: int = PREFETCH_SLOTS, progress: bool = False,
-                 prepare: Any = None):
+                 prepare: Any = None, keep_cache: bool = True):
         """`io`: the store's I/O (it owns it from here and closes it); by default a UnitIO built from `direct_io`,
-        `bounce_bytes`, `gds`, `read_fn` and `copy_fn`. `prefetch_slots`: slots of a kind that prefetched, unused
-        units may hold (Evictor.reserve; PrefetchConfig.slots). `prepare`: what the runtime derives from each
-        unit's views (the kernels' repacked weights, runtime/kernels/select.Kernels), built with a slot's views
-        and charged to its tier (tier.Prepared)."""
+        `bounce_bytes`, `gds`, `read_fn`, `copy_fn` and `keep_cache`. `prefetch_slots`: slots of a kind that
+        prefetched, unused units may hold (Evictor.reserve; PrefetchConfig.slots). `prepare`: what the runtime
+        derives from each unit's views (the kernels' repacked weights, runtime/kernels/select.Kernels), built with
+        a slot's views and charged to its tier (tier.Prepared)."""
         self.checkpoint, self.placement, self.ledger = checkpoint, placement, ledger
         self.dtype, self.policy, self.stall_timeout = dtype, policy, stall_timeout
         self.io = io if io is not None else UnitIO(checkpoint.index.shards, device, direct_io=direct_io,
                                                    bounce_bytes=bounce_bytes, gds=gds, read_fn=read_fn,
-                                                   copy_fn=copy_fn)
+                                                   copy_fn=copy_fn, keep_cache=keep_cache)
         self.files, self.direct_io = self.io.files, self.io.direct_io
         self.stats = StoreStats(io=self.io.counters)
         self._lock = threading.RLock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from .readers import reading
 from .stats import IOCounters
 from .tier import Slot
 
+DROP_CHUNK = BOUNCE_BYTES  # buffered reads whose pages are dropped: as O_DIRECT's bounce reads, 1 MiB
 ReadFn = Callable[[ShardFiles, ReadRange, torch.Tensor], None]  # (files, range, destination blob)
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]  # (destination, source): same size, same dtype
 
@@ -36,9 +38,11 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 class UnitIO:
     def __init__(self, shards: Sequence[os.PathLike | str], device: torch.device, *, direct_io: bool = False,
                  bounce_bytes: int = BOUNCE_BYTES, gds: bool = True, read_fn: ReadFn | None = None,
-                 copy_fn: CopyFn | None = None):
+                 copy_fn: CopyFn | None = None, keep_cache: bool = True):
+        """keep_cache=False: buffered reads drop the pages they read from the page cache (a RAM budget the
+        weights fit: the slot holds the bytes, and a cached copy would take as much again outside the budget)."""
         self.files = ShardFiles(shards)
-        self.direct_io = direct_io
+        self.direct_io, self.keep_cache = direct_io, keep_cache
         self.counters = IOCounters()
         self._read_fn = read_fn or read_range
         self._copy_fn = copy_fn or copy_bytes
@@ -46,6 +50,7 @@ class UnitIO:
         self._local = threading.local()  # each reader thread's bounce buffer
         self._lock = threading.Lock()
         self._direct_fds: dict = {}
+        self._advised: dict = {}  # path -> the buffered descriptor advised POSIX_FADV_RANDOM
         self._direct_aligns: dict[os.PathLike, DirectAlign] = {}  # what O_DIRECT asks of each file opened so far
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -90,9 +95,27 @@ class UnitIO:
             if fd is not None:
                 read_range_direct(fd, r, blob, self._bounce(), self.files)
                 return
-        self._read_fn(self.files, r, blob)
-        if self.direct_io:  # O_DIRECT refused by the filesystem: at least drop the pages we read
-            drop_cache(self.files.fd(r.file), r.file_offset, r.nbytes)
+        if self.keep_cache and not self.direct_io:
+            self._read_fn(self.files, r, blob)
+            return
+        # O_DIRECT refused by the filesystem, or a budget: the pages read leave the page cache, DROP_CHUNK at a
+        # time, so each reader thread holds at most that much there (a dense unit can be a GB)
+        self._no_readahead(r.file)
+        for at in range(0, r.nbytes, DROP_CHUNK):
+            part = replace(r, file_offset=r.file_offset + at, nbytes=min(DROP_CHUNK, r.nbytes - at),
+                           blob_offset=r.blob_offset + at)
+            self._read_fn(self.files, part, blob)
+            drop_cache(self.files.fd(r.file), part.file_offset, part.nbytes)
+
+    def _no_readahead(self, path) -> None:
+        """Reads whose pages are dropped read no further than asked (POSIX_FADV_RANDOM on the descriptor): the
+        kernel's readahead (up to read_ahead_kb past each read, 8 MiB on this project's VM) would cache pages past
+        each range that nothing drops."""
+        fd = self.files.fd(path)
+        with self._lock:  # advised before any thread reads through it
+            if self._advised.get(path) != fd and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._advised[path] = fd
 
     def _direct_fd(self, path):
         """Cached O_DIRECT descriptor (None: refused by the filesystem); checked against the index's identity."""
