@@ -14,6 +14,8 @@ from ..planner.placement import Placement, ResolvedBudget, bounce_bytes, place
 from .ledger import Ledger
 from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
 
+FIT_RESERVE = 1 << 30  # memory a run without --ram leaves the machine at least (fitted_host_budget)
+
 
 def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.device, kv_bytes: int,
              direct_io: str, room: Callable[[UnitLayout], int] | None = None) -> tuple[Placement, bool]:
@@ -25,8 +27,34 @@ def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.
         free, _ = torch.cuda.mem_get_info(device)
         device_budget = int(free * 0.9)
     units = {key: layout.nbytes + (room(layout) if room else 0) for key, layout in checkpoint.layouts.items()}
-    return place(units, device_budget=device_budget, host_budget=budget.host, kv_bytes=kv_bytes,
+    host_budget = budget.host
+    if host_budget is None and device_budget is None:  # no --ram on a CPU: what this machine has room for
+        host_budget = fitted_host_budget(sum(units.values()) + kv_bytes, available_memory())
+    return place(units, device_budget=device_budget, host_budget=host_budget, kv_bytes=kv_bytes,
                  direct_io=direct_io, gpu=device.type == "cuda")
+
+
+def available_memory() -> int:
+    """Bytes the OS can give this process now without swapping (MemAvailable: free memory plus the page cache
+    and other reclaimable memory)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def fitted_host_budget(need: int, available: int) -> int | None:
+    """The RAM budget of a run given none (llama.cpp's --fit): unbounded (everything pinned, as before) where the
+    model, its kernel forms and its KV cache fit what is available less a reserve, else that much, so the model
+    streams from disk instead of pushing the machine into swap or the OOM killer (a 32 GB checkpoint on a 23 GiB
+    machine). The reserve (1 GiB, or 5% of what is available if more) is left for the interpreter, activations and
+    the rest of the machine."""
+    room = available - max(FIT_RESERVE, available // 20)
+    if need <= room:
+        return None
+    if room <= 0:
+        raise ConfigError(f"only {available / 2**30:.2f} GiB of memory is available: not enough to run this model "
+                          f"(give --ram to choose a budget)")
+    return room
 
 
 def stall_timeout_from_env() -> float:
