@@ -128,7 +128,7 @@ def _tokenizer(w, vocab_size: int, folder: Path = DEMO) -> None:
     for text, i in vocab.items():
         tokens[i] = text
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's regex ("gpt2" is refused as unknown)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else (5 if t.startswith("[PAD") else 1) for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
