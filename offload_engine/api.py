@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,11 +25,14 @@ from .config import EngineConfig
 from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
 from .generate.prefix_cache import PrefixCache
-from .generate.sampling import Sampler, SamplingParams
+from .generate.grammar import GrammarMatcher
+from .generate.sampling import Sampler, SamplingParams, TokenLogprob
 from .interrupts import finish_despite_interrupts, sigint_guarded
 from .planner.placement import Placement
 from .prefetch.prefetcher import Prefetcher
 from .runtime.mtp import mtp_layer_count
+from .runtime.cpu_load import CpuSample
+from .runtime.threads import ThreadTuner
 from .speculative.chooser import SpecStats
 from .speculative.stepper import check_spec, make_stepper
 from .store.store import TieredStore
@@ -41,6 +45,7 @@ class Completion:
     token_ids: list[int]  # generated ids only
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for (logprobs=k)
 
 
 class Engine:
@@ -56,6 +61,7 @@ class Engine:
         self._owner: int | None = None  # thread id of the request holding the lock
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        self.threads: ThreadTuner | None = None  # the compute thread count (Engine.open sets it: config.threads)
         self.reuse_prefix = True  # keep the last sequence's cache for a prompt that extends it (prefix_cache.py)
         self._prefix = PrefixCache(lambda: self.model.new_cache(self.model.max_context))
         # an engine dropped without close() still joins its reader threads and closes its descriptors
@@ -68,18 +74,21 @@ class Engine:
         """Open a Hugging Face folder within a memory budget: `config` (an EngineConfig: every option, its
         default and what it means), or its keyword form (EngineConfig.from_keywords: budget, device, dtype,
         max_context, policy, direct_io, prefetch, trace, allow_cast, progress, read_fn, stall_timeout, spec,
-        spec_depth, spec_width, draft_model, draft_budget, host_compute, prefill_chunk), e.g.
+        spec_depth, spec_width, draft_model, draft_budget, host_compute, prefill_chunk, threads), e.g.
         Engine.open(path, budget=Budget(ram="25%"), spec="auto"). Planning (and its BudgetError) happens before
-        any weight is read."""
+        any weight is read. The thread count (runtime/threads.py) is set once the placement is known."""
         if config is None:
             config = EngineConfig.from_keywords(**keywords)
         elif keywords:
             raise TypeError(f"Engine.open: pass an EngineConfig or keywords, not both (got {sorted(keywords)})")
         elif not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an offload_engine.EngineConfig, got {type(config).__name__}")
+        cpu = CpuSample()  # what the other processes use while this opens: auto's first thread count
         parts = assemble(path, config)
         try:
-            return cls(parts)
+            engine = cls(parts)
+            engine.threads = ThreadTuner.open(config.threads, parts.store.placement.streams, cpu)
+            return engine
         except BaseException:  # a Ctrl-C may land in __init__ too
             finish_despite_interrupts(parts.close)
             raise
@@ -150,11 +159,15 @@ class Engine:
         are checked here, before the first next()."""
         self._check_open()
         params = SamplingParams(**sampling)
+        params.check_vocab(self.model.vocab_size)
         ids = check_prompt(self.encode(prompt, chat), self.model.vocab_size)
         if spec is None:
             mode, depth, width = self.speculative.mode, self.speculative.depth, self.speculative.width
         else:
             mode, depth, width = check_spec(spec, spec_depth, spec_width)
+        constraint = None
+        if params.grammar is not None:  # the mask of each token (of each draft-tree row: its own path's)
+            constraint = GrammarMatcher(params.grammar, self.tokenizer, self.model.vocab_size)
         if mode == "mtp" and not mtp_layer_count(self.checkpoint):
             raise ConfigError("spec 'mtp': this engine was opened without the checkpoint's MTP layers; open it with "
                               "spec='mtp' (spec='auto' loads them only where they cost little memory)")
@@ -162,13 +175,15 @@ class Engine:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the "
                               f"context this engine reserved in its budget ({self.context} tokens): open it with a "
                               f"larger max_context (--context)")
-        stream = self._serve(ids, params, mode, depth, width)
+        stream = self._serve(ids, params, mode, depth, width, constraint)
         self._streams.add(stream)
         return stream
 
-    def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None
-               ) -> Iterator[TokenEvent | FinishEvent]:
+    def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None,
+               constraint: GrammarMatcher | None = None) -> Iterator[TokenEvent | FinishEvent]:
         with self._request():
+            if self.threads is not None:
+                self.threads.enter()
             before = self.snapshot()
             # plain decoding reuses the last sequence's cache where the prompt extends it; drafters keep their own
             # state (a draft model's cache, MTP layers), so a speculative request starts fresh
@@ -181,7 +196,8 @@ class Engine:
                 reused = 0
             spec_stats = SpecStats()
             draft = self.draft
-            stepper = make_stepper(self.model, cache, Sampler(params), mode, depth=depth, width=width, draft=draft,
+            sampler = Sampler(params, constraint=constraint)
+            stepper = make_stepper(self.model, cache, sampler, mode, depth=depth, width=width, draft=draft,
                                    store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
             events = drive(stepper, ids[reused:], GenerationState(params, self.tokenizer))
@@ -189,13 +205,18 @@ class Engine:
             while True:
                 # out of memory in the MTP / draft forwards too: only this request fails
                 with sigint_guarded(), out_of_memory_as_error("request"):
+                    start = time.perf_counter()
                     event = next(events, None)
+                if decoding is not None and isinstance(event, TokenEvent) and self.threads is not None:
+                    self.threads.observe(time.perf_counter() - start, 1)  # a decode step's time, per token
                 if event is None:
                     break
                 if isinstance(event, FinishEvent):
                     event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event),
                                    "prompt_tokens": len(ids), "reused_prompt_tokens": reused,
                                    "prefilled_tokens": len(ids) - reused}
+                    if params.grammar is not None:
+                        event.stats["grammar"] = params.grammar.kind
                     if reuse:
                         self._prefix.give_back(cache, ids + event.token_ids)
                 elif decoding is None:
@@ -208,7 +229,7 @@ class Engine:
             if isinstance(event, FinishEvent):
                 finish = event
         assert finish is not None
-        return Completion(finish.text, finish.token_ids, finish.reason, finish.stats)
+        return Completion(finish.text, finish.token_ids, finish.reason, finish.stats, finish.logprobs)
 
     def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> Completion:
         """One assistant turn after `messages` (role/content dicts, rendered by the model's chat template). A
@@ -230,13 +251,16 @@ class Engine:
         if ids.numel() == 0:
             raise ConfigError("logits(): token_ids is empty")
         with sigint_guarded(), self._request(), out_of_memory_as_error("logits"):
+            if self.threads is not None:
+                self.threads.enter()
             return self.model.forward(ids, self.model.new_cache(ids.numel())).float().cpu()
 
     # ---- stats -----------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The engine's counters now (the store's and the model's, cumulative since open) and its memory: byte
         budgets and peaks per tier (ledger accounts). Two snapshots' counters subtract to a span's (stats)."""
-        return {**_store_snapshot(self.store), **self.model.snapshot()}
+        threads = self.threads.snapshot()["tokens_by_threads"] if self.threads is not None else {}
+        return {**_store_snapshot(self.store), **self.model.snapshot(), "tokens_by_threads": threads}
 
     @property
     def compute_tier(self) -> str:
@@ -278,6 +302,7 @@ class Engine:
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.model.kv_dtype,
             "cpu_kernels": self.model.kernels.describe() if self.model.kernels is not None else None,
+            **_thread_stats(self.threads, counters["tokens_by_threads"]),
         }
 
 
@@ -328,6 +353,20 @@ def _prefetch_stats(prefetcher: Prefetcher | None, expert_reads: dict[str, int])
         return {"enabled": False, "recall_effective": 0.0}
     reads = expert_reads["ahead"] + expert_reads["demand"]
     return {**_prefetch_snapshot(prefetcher), "recall_effective": expert_reads["ahead"] / reads if reads else 0.0}
+
+
+def _thread_stats(tuner: ThreadTuner | None, tokens: dict[str, int]) -> dict[str, Any]:
+    """`threads`: the intra-op count this request's decode steps ran at (the one most of them did; the count now
+    where none ran); `thread_choice`: the rule's setting, its most, decode tokens per count, switches and probes
+    since open (runtime/threads.py)."""
+    tokens = {k: v for k, v in tokens.items() if v}
+    if tuner is None:
+        return {"threads": torch.get_num_threads(), "thread_choice": {"setting": None, "tokens_by_threads": tokens}}
+    ran = max(tokens, key=lambda k: tokens[k]) if tokens else None
+    choice = tuner.snapshot()
+    now = choice.pop("threads")
+    return {"threads": int(ran) if ran is not None else now,
+            "thread_choice": {**choice, "tokens_by_threads": tokens}}
 
 
 def _hit_rate(store: dict, tier: str) -> float:

@@ -5,21 +5,21 @@ Errors print one line without a traceback unless --debug.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING
 
+# only small modules here (no torch, no argparse or socket): the console script imports this module before
+# main() takes Ctrl-C over, and until then an interrupt prints a traceback, or is lost (SIGINT ignored)
 from .errors import OffloadEngineError
-from .interrupts import SafeInterrupts
-from .config import DTYPES
+from .interrupts import SafeInterrupts, exit_at_once_on_sigint
 from .constants import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES, KV_DTYPES, SPEC_MODES
-from .planner.commands import add_plan_parser, add_probe_parser
-from .quantize.command import add_quantize_parser
-from .server.command import SERVE_EXAMPLES, add_serve_flags, check_serve_flags
 from .store.policy import POLICIES
 from .units import format_bytes
+
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any, Sequence
 
 RUN_EXAMPLES = """examples:
   offload-engine run --prompt "def fibonacci(n):"
@@ -45,6 +45,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The budget and engine flags `run` and `serve` share (engine_config reads them)."""
+    from .config import DTYPES  # imports torch
+
     p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: bfloat16 on CUDA, and on a CPU for a "
                    "bfloat16 checkpoint where the CPU has native bf16; else float32)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
@@ -91,13 +93,20 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
     p.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
     p.add_argument("--threads", default="auto", metavar="N|auto",
-                     help="torch intra-op threads; auto (default): one core fewer than the machine while weights "
-                          "stream (the reader threads need it), torch's default otherwise")
+                     help="torch intra-op threads; auto (default): at most torch's default, one core fewer while "
+                          "weights stream, as many as other processes leave idle, re-measured while decoding "
+                          "(--stats shows the count that ran)")
     p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
                      help="fail a request when no checkpoint read makes progress for this long (default 60)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+
+    from .planner.commands import add_plan_parser, add_probe_parser  # these import torch
+    from .quantize.command import add_quantize_parser
+    from .server.command import SERVE_EXAMPLES, add_serve_flags
+
     parser = argparse.ArgumentParser(prog="offload-engine",
                                      description="Run MoE and dense LLMs far larger than device memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--grammar", metavar="FILE", help="a Lark grammar file the output must match")
+    run.add_argument("--json-schema", metavar="FILE|JSON", help="a JSON schema (a file, or inline JSON) the output "
+                                                               "must match (compact JSON)")
     _engine_flags(run)
     run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
     run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
@@ -178,22 +190,6 @@ def _prefetch_config(args: argparse.Namespace) -> Any:
                                                      adaptive=args.prefetch == "adaptive")
 
 
-def _set_compute_threads(threads: str, engine: Any) -> None:
-    """--threads: torch's intra-op threads for this process. auto: one core fewer than the machine has while
-    weights stream, all of them otherwise. The reader threads copy units while the layers compute, and an
-    OpenMP team that shares its cores with them stalls at every barrier (docs/PERF.md: 2 threads on this 2-core
-    machine decoded the demo model at 93 tok/s, 1 thread at 187)."""
-    import os
-
-    import torch
-
-    if threads != "auto":
-        torch.set_num_threads(int(threads))
-        return
-    if engine.placement.streams:
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
-
-
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig of `run`'s flags (validated as it is built)."""
     from .config import Budget, EngineConfig, SpeculativeConfig
@@ -207,14 +203,14 @@ def engine_config(args: argparse.Namespace) -> Any:
                         prefetch=prefetch, trace=args.trace, allow_cast=args.allow_cast,
                         progress=_progress(args), stall_timeout=args.stall_timeout, speculative=speculative,
                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk, kernels=args.kernels,
-                        kv_dtype=args.kv_dtype)
+                        kv_dtype=args.kv_dtype, threads=args.threads)
 
 
 def _check_threads(threads: str) -> None:
-    from .errors import ConfigError
+    """--threads, checked before anything loads; Engine.open applies it (EngineConfig.threads, runtime/threads.py)."""
+    from .runtime.threads import check_threads
 
-    if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
-        raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}")
+    check_threads(threads)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -238,7 +234,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     # between this assignment and the `try`
     engine = Engine.open(model, config)
     try:
-        _set_compute_threads(args.threads, engine)
         return _generate(engine, args)
     finally:
         engine.close()
@@ -253,7 +248,7 @@ def _started_as_rank() -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import Engine
     from .defaults import default_model_path
-    from .server.command import serve
+    from .server.command import check_serve_flags, serve
 
     _check_threads(args.threads)
     if _started_as_rank():
@@ -264,7 +259,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_serve_flags(args)  # before loading: a refused bind costs no load
     engine = Engine.open(args.model or default_model_path(), engine_config(args))
     try:
-        _set_compute_threads(args.threads, engine)
         if args.show_plan:
             print(engine.placement.describe(), file=sys.stderr)
         return serve(engine, args)
@@ -273,12 +267,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _generate(engine: Any, args: argparse.Namespace) -> int:
+    import json
+
     from .generate.decoder import FinishEvent
 
     if args.show_plan:
         print(engine.placement.describe(), file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+                    grammar=_grammar(args))
     finish = None
     # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
     bar = _token_bar(args.max_new_tokens) if args.json and _bars(args) else None
@@ -304,6 +301,29 @@ def _generate(engine: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _grammar(args: argparse.Namespace) -> Any:
+    """--grammar FILE (Lark) or --json-schema FILE|JSON as a Grammar; None without either."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+    from .generate.grammar import Grammar
+
+    if args.grammar is not None and args.json_schema is not None:
+        raise ConfigError("--grammar and --json-schema: give one of them")
+    if args.grammar is not None:
+        if not Path(args.grammar).is_file():
+            raise ConfigError(f"--grammar {args.grammar}: no such file (a Lark grammar, e.g. start: \"yes\" | \"no\")")
+        return Grammar.lark(Path(args.grammar).read_text(encoding="utf-8"), name=f"--grammar {args.grammar}")
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            if not Path(text).is_file():
+                raise ConfigError(f"--json-schema {text}: no such file, and not an inline JSON object")
+            text = Path(text).read_text(encoding="utf-8")
+        return Grammar.json_schema(text, name=f"--json-schema {args.json_schema}")
+    return None
+
+
 def _token_bar(total: int):
     from tqdm import tqdm
 
@@ -322,7 +342,16 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"decode {stats['decode_tok_s']:.2f} tok/s{drafted} | hit rate {hit_rate:.1f}% | "
             f"disk {format_bytes(stats['bytes_read_disk_per_token'])}/token | io wait {stats['io_wait_s']:.2f} s | "
             f"peak device {format_bytes(peak['device'] or 0)}, host {format_bytes(peak['host'] or 0)} | "
-            f"{stats['device']} {stats['dtype']}{kv}{_native(stats.get('cpu_kernels'))}]")
+            f"{stats['device']} {stats['dtype']}{kv}{_native(stats.get('cpu_kernels'))}{_threads(stats)}]")
+
+
+def _threads(stats: dict[str, Any]) -> str:
+    """', 2 threads (auto, of 2)': the intra-op count the decode ran at (api._thread_stats)."""
+    if stats.get("threads") is None:
+        return ""
+    n, choice = stats["threads"], stats.get("thread_choice") or {}
+    rule = f" ({choice['setting']}, of {choice['max']})" if choice.get("setting") == "auto" else ""
+    return f", {n} thread{'s' if n != 1 else ''}{rule}"
 
 
 def _native(kernels: dict | None) -> str:
@@ -334,6 +363,8 @@ def _native(kernels: dict | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
     from .checkpoint.model import open_model
     from .planner.inspect_report import inspect_report, inspect_text
     from .runtime.mtp import attach_mtp_units
@@ -344,16 +375,44 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# what each command imports before it makes anything: imported while a Ctrl-C still ends the process at once
+# (main). Only start-up time: under SafeInterrupts an import is never interrupted, its interrupt lands after it.
+COMMAND_IMPORTS = {"run": ("offload_engine.api",),
+                   "serve": ("offload_engine.api", "offload_engine.server.app", "uvicorn"),
+                   "inspect": ("offload_engine.checkpoint.model", "offload_engine.planner.inspect_report",
+                               "offload_engine.runtime.mtp"),
+                   "plan": ("offload_engine.probe",), "probe": ("offload_engine.probe",),
+                   "quantize": ("offload_engine.quantize.convert", "offload_engine.quantize.calibrated",
+                                "offload_engine.quantize.calibration", "tqdm")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status. Run as the program (argv None: the console script,
-    `python -m offload_engine.cli`), Ctrl-C ends the process right after the engine has closed (reader threads
-    joined, descriptors closed), with status 130: the interpreter's own teardown of torch can take seconds."""
+    `python -m offload_engine.cli`), Ctrl-C ends the process with status 130, without a traceback: at once
+    while it starts (imports, flags: nothing made yet, and an interrupt raised inside torch's import can be
+    swallowed by its C++ init), else right after the command has closed what it made (reader threads joined,
+    descriptors closed, partial output removed): the interpreter's own teardown of torch can take seconds."""
+    import gc
+    from importlib import import_module
+
+    program = argv is None
+    if program:  # before anything else: SIGINT may even be ignored so far (a background job of a script)
+        exit_at_once_on_sigint()
+        gc.disable()  # a full collection amid torch's import holds the GIL (no handler runs) for 0.1-1 s
     guard = args = None
     try:
         try:
-            guard = SafeInterrupts()  # Ctrl-C raises KeyboardInterrupt, never inside the stdlib's lock handling
+            if not program:  # called in-process: the caller's imports are done, and it must get 130 back
+                guard = SafeInterrupts()
             args = build_parser().parse_args(argv)
             args.argv = list(sys.argv[1:] if argv is None else argv)  # what --devices starts each rank with
+            for name in COMMAND_IMPORTS.get(args.command, ()):
+                import_module(name)
+            if program:
+                gc.freeze()  # what the imports made lives as long as the process: later collections skip it
+                gc.enable()
+            if guard is None:
+                guard = SafeInterrupts()  # Ctrl-C raises KeyboardInterrupt, never inside the stdlib's lock handling
             return args.func(args)
         finally:
             if guard is not None:
@@ -365,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
         except (KeyboardInterrupt, OSError):  # a second Ctrl-C, or a closed stream: the status still says it
             pass
-        if argv is None:
+        if program:
             import os
 
             os._exit(130)

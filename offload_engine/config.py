@@ -18,6 +18,7 @@ from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES
 from .planner.kv import check_kv_dtype
 from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
+from .runtime.threads import check_threads
 from .speculative.stepper import check_spec
 from .store.policy import POLICIES
 from .store.store import CopyFn, ReadFn
@@ -154,7 +155,10 @@ class EngineConfig:
     (tools/trace_experts.py); kernels: "auto" (quantized weights use a fast kernel where one applies, repacked
     once per resident unit within the budget: docs/FORMATS.md) or "dequantize" (always dequantize-then-matmul);
     kv_dtype: the KV cache's storage (modes.KV_DTYPES): "auto" the compute dtype, "bf16", or "fp8" / "int8" with
-    one fp32 scale per position and head (runtime/kv_storage.py), charged to the budget at that size."""
+    one fp32 scale per position and head (runtime/kv_storage.py), charged to the budget at that size;
+    threads: torch's intra-op threads, applied by Engine.open: an int, or "auto" (runtime/threads.py: within
+    torch's count and the usable cores, one fewer while weights stream, as many as the other processes leave
+    idle, re-measured while decoding); the count that ran is in the stats (`threads`)."""
 
     budget: Budget = field(default_factory=Budget)
     device: str | torch.device | None = None
@@ -175,6 +179,7 @@ class EngineConfig:
     record_routing: bool = False
     kernels: str = "auto"
     kv_dtype: str = "auto"
+    threads: int | str = "auto"
 
     def __post_init__(self):
         _check_budget(self.budget, "budget")
@@ -193,6 +198,7 @@ class EngineConfig:
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         check_kv_dtype(self.kv_dtype)
+        object.__setattr__(self, "threads", check_threads(self.threads))  # "4" (a flag's text) -> 4
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"--direct-io must be auto, on or off, got {self.direct_io!r}")
         if not isinstance(self.prefetch, PrefetchConfig):  # a bool: the defaults, enabled or not

@@ -12,6 +12,16 @@ function outside them (a profile hook on the main thread, set only while an inte
 standard library's waits are all bounded or short here, so the interrupt still lands within milliseconds; a
 loop of bounded waits that makes no other call (a `Thread.join(timeout)` loop) calls `deliver_pending`.
 
+Start-up: a program (the CLI) first calls `exit_at_once_on_sigint`: until its command starts making things
+(files, threads, child processes), Ctrl-C ends the process at once, status 130, without a traceback. Its imports
+(torch: seconds) are the time this covers, and there a KeyboardInterrupt would not do: torch's C++ init drops
+one raised in the numpy import it makes, and the command then runs to its end. It also takes SIGINT back from
+SIG_IGN, which a non-interactive shell gives its background jobs (`offload-engine run ... &`).
+
+Processes: where a library runs a tree of processes this code holds no handle of (torch's extension builder runs
+ninja, which runs a compiler per source), a Ctrl-C makes Python kill the library's child outright and its own
+children run on, orphaned; `ending_stray_processes` ends them.
+
 Cleanup: a KeyboardInterrupt inside a close() that is joining reader threads would leave threads and
 descriptors behind. Cleanup paths run their (idempotent) close through `finish_despite_interrupts`, which reruns
 it until it completes and then re-raises the interrupt, so the request still ends with KeyboardInterrupt (exit
@@ -20,9 +30,11 @@ through it is not interrupted at all: the interrupt lands right after it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from types import FrameType
 from typing import Callable, Iterator
@@ -38,6 +50,26 @@ _LOCK_HANDLING = frozenset({"threading", "queue", "concurrent", "logging", "tqdm
 _ACTIVE: list["SafeInterrupts"] = []  # the guards installed, innermost last (deliver_pending)
 
 
+def exit_at_once_on_sigint() -> None:
+    """From now on Ctrl-C ends the process at once with status 130 (start-up: nothing to clean up yet). A
+    `SafeInterrupts` installed later takes over, and puts this back when restored. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    for stream in (sys.stdout, sys.stderr):  # what was printed stays printed
+        try:
+            stream.flush()
+        except Exception:  # a closed stream, or one this signal interrupted mid-write (reentrant call)
+            pass
+    try:
+        os.write(2, b"\ninterrupted\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
 def finish_despite_interrupts(close: Callable[[], object]) -> None:
     interrupted = False
     for _ in range(MAX_RERUNS):
@@ -48,6 +80,89 @@ def finish_despite_interrupts(close: Callable[[], object]) -> None:
             interrupted = True  # close is idempotent: run it again to finish what was cut short
     if interrupted:
         raise KeyboardInterrupt
+
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are reparented to this process, not to init
+STRAY_GRACE_S = 1.0  # SIGTERM, then SIGKILL
+
+
+@contextmanager
+def ending_stray_processes() -> Iterator[None]:
+    """For a block that runs a library's child processes, which start their own (ninja, then compilers): while it
+    runs, this process adopts their orphans (PR_SET_CHILD_SUBREAPER, Linux); when the block raises (a Ctrl-C makes
+    Python SIGKILL the library's child, its compilers run on), every child of this process that the block started
+    or adopted is ended with its process group (ninja starts each job in a group of its own), then reaped."""
+    before = set(_children())
+    adopting = _subreaper(True)
+    try:
+        yield
+    except BaseException:
+        finish_despite_interrupts(lambda: _end_children(before))
+        raise
+    finally:
+        if adopting:
+            _subreaper(False)
+
+
+def _subreaper(on: bool) -> bool:
+    """prctl(PR_SET_CHILD_SUBREAPER); whether it took (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes  # here: the CLI imports this module before it takes Ctrl-C over, and ctypes is not needed there
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    zero = ctypes.c_ulong(0)
+    return prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(int(on)), zero, zero, zero) == 0
+
+
+def _children() -> list[int]:
+    """This process's children (zombies included), from /proc."""
+    me, found = os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in filter(str.isdigit, names):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.append(int(name))
+    return found
+
+
+def _end_children(keep: set[int]) -> None:
+    """SIGTERM to each child not in `keep` (its process group where it leads one), SIGKILL after STRAY_GRACE_S,
+    each reaped; repeated while killing a child hands its own children (orphans) to this process."""
+    deadline = time.monotonic() + STRAY_GRACE_S
+    signalled: set[int] = set()
+    while (strays := [pid for pid in _children() if pid not in keep]) and time.monotonic() < deadline + 1:
+        late = time.monotonic() > deadline
+        for pid in strays:
+            if pid not in signalled or late:
+                _signal_group(pid, signal.SIGKILL if late else signal.SIGTERM)
+                signalled.add(pid)
+            try:
+                os.waitpid(pid, 0 if late else os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.005)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        group = os.getpgid(pid)
+        if group == pid and group != os.getpgrp():
+            os.killpg(group, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def in_lock_handling(frame: FrameType | None, outer: frozenset[int] = frozenset()) -> bool:

@@ -14,6 +14,7 @@ import cProfile
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +22,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import pytest
 
-from offload_engine.interrupts import SafeInterrupts, deliver_pending, in_lock_handling, sigint_guarded
+from offload_engine.interrupts import (SafeInterrupts, deliver_pending, ending_stray_processes, in_lock_handling,
+                                       sigint_guarded)
 from tests.figures import write_line
 
 TRIALS = 200
@@ -291,3 +293,60 @@ def test_lock_handling_is_found_anywhere_on_the_stack():
     t.start()
     t.join()
     assert in_lock_handling(frames["thread"])  # threading's bootstrap frames are its callers
+
+
+def test_exit_at_once_ends_the_process_with_130_and_no_traceback():
+    """The CLI's start-up handling (cli.main, before a command makes anything): one line, status 130, at once,
+    also where the process started with SIGINT ignored (a background job of a script)."""
+    code = ("import os, signal, time\n"
+            "from offload_engine.interrupts import exit_at_once_on_sigint\n"
+            "exit_at_once_on_sigint()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n"
+            "print('ran on')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 130 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == "interrupted"
+
+
+def process_group_members(groups: set[int]) -> list[int]:
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(name)) in groups:
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_a_block_ended_by_an_interrupt_ends_the_processes_its_library_left():
+    """torch's extension builder runs ninja, ninja runs each compiler job in a process group of its own; on a
+    Ctrl-C Python SIGKILLs ninja (subprocess.run), and the jobs ran on, orphaned (seen with a native build)."""
+    ninja = ("import os, subprocess, sys, time\n"
+             "jobs = [subprocess.Popen(['sh', '-c', 'sleep 60; true'], preexec_fn=os.setpgrp) for _ in range(2)]\n"
+             "print(' '.join(str(j.pid) for j in jobs), flush=True)\n"
+             "time.sleep(60)\n")
+    jobs: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        with ending_stray_processes():
+            runner = subprocess.Popen([sys.executable, "-c", ninja], stdout=subprocess.PIPE, text=True)
+            jobs = [int(pid) for pid in runner.stdout.readline().split()]
+            assert len(jobs) == 2 and process_group_members(set(jobs))
+            runner.kill()  # what subprocess.run does to its child on a KeyboardInterrupt
+            runner.wait()
+            runner.stdout.close()
+            raise KeyboardInterrupt
+    assert not process_group_members(set(jobs))  # each job's shell and its sleep: ended and reaped
+
+
+def test_a_block_that_completes_leaves_processes_alone():
+    with ending_stray_processes():
+        kept = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert kept.poll() is None
+    finally:
+        kept.kill()
+        kept.wait()

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tokenizer import StreamDecoder, Tokenizer
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -30,6 +30,7 @@ class TokenEvent:
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None  # when the sampling params ask for logprobs
 
 
 @dataclass
@@ -43,6 +44,7 @@ class FinishEvent:
     prefill_s: float
     decode_s: float
     stats: dict[str, Any] = field(default_factory=dict)  # filled in by the engine
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the sampling params ask for them
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -187,13 +189,18 @@ def drive(stepper: Stepper, prompt_ids: list[int], state: GenerationState) -> It
     """
     prefill_s = decode_s = 0.0
     unused = 0
+    sampler = getattr(stepper, "sampler", None)  # its logprobs: one per accepted token, in order
+    records = sampler.logprobs if sampler is not None and sampler.params.logprobs is not None else None
     try:
         start = time.perf_counter()
         pending = stepper.prefill(prompt_ids)
         prefill_s = time.perf_counter() - start
         while True:
             for i, token in enumerate(pending):
-                yield state.add(token)
+                event = state.add(token)
+                if records is not None:
+                    event.logprob = records[len(state.token_ids) - 1]
+                yield event
                 if state.finished:
                     unused = len(pending) - i - 1
                     break
@@ -205,7 +212,8 @@ def drive(stepper: Stepper, prompt_ids: list[int], state: GenerationState) -> It
     finally:
         stepper.finish(unused)  # also runs when the consumer closes the generator early
     yield FinishEvent(reason=state.finish_reason or "length", token_ids=list(state.token_ids), text=state.text,
-                      prefill_tokens=len(prompt_ids), prefill_s=prefill_s, decode_s=decode_s)
+                      prefill_tokens=len(prompt_ids), prefill_s=prefill_s, decode_s=decode_s,
+                      logprobs=None if records is None else records[:len(state.token_ids)])
 
 
 def decode_stream(model: CausalLMLike, prompt_ids: Sequence[int], params: SamplingParams,

@@ -2,12 +2,12 @@
 
 Bodies are read and validated here (protocol.py) rather than by FastAPI's own parsing, so that every failure is
 an OpenAI error object with the right status (400 bad body, 401 auth, 404 model, 413 size, 429 queue full) and
-never a traceback."""
+never a traceback. Every request field is implemented or refused by name (fields.py); /metrics counts the error
+answers by status."""
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -21,11 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, OffloadEngineError
 from ..generate.decoder import FinishEvent, TokenEvent
+from ..modes import SPEC_MODES
+from . import fields
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, Sampling, parse_body
 from .queue import DONE, EngineWorker, Job, QueueFull
-
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's reasons in OpenAI's words
+from .responses import FINISH, Shape, chunk, complete, jsonable, logprobs_body, sse_line, token_text, usage
 
 
 @dataclass(frozen=True)
@@ -53,18 +54,18 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        if e.status >= 500 or e.status == 429:
-            metrics.errors += 1
+        metrics.count_error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        metrics.count_error(e.status_code)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        metrics.errors += 1
+        metrics.count_error(500)
         return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", "server_error").body(),
                             status_code=500)
 
@@ -76,6 +77,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
                 err = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error",
                                code="invalid_api_key")
+                metrics.count_error(401)
                 return JSONResponse(err.body(), status_code=401)
         return await call_next(request)
 
@@ -101,6 +103,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, settings.max_body_bytes), ChatRequest)
+        fields.check_chat(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         if engine.tokenizer is None:
@@ -110,11 +113,14 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
         except Exception as e:  # a template that refuses the message order (e.g. two system turns)
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, ids, limit, chat=True)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        shape = Shape(chat=True, tokenizer=engine.tokenizer, logprobs=top is not None)
+        return await respond(request, body, ids, limit, shape, top)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, settings.max_body_bytes), CompletionRequest)
+        fields.check_completion(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -131,14 +137,24 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise ApiError(400, "prompt is empty", param="prompt")
         if any(not 0 <= t < engine.model.vocab_size for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {engine.model.vocab_size})", param="prompt")
-        return await respond(request, body, ids, body.max_tokens, chat=False)
+        echo = ""
+        if body.echo:
+            if engine.tokenizer is None:
+                raise ApiError(400, "echo: this model has no tokenizer to return the prompt as text", param="echo")
+            echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+        shape = Shape(chat=False, tokenizer=engine.tokenizer, logprobs=body.logprobs is not None, echo=echo)
+        return await respond(request, body, ids, body.max_tokens, shape, body.logprobs)
 
-    async def respond(request: Request, body: Sampling, ids: list[int], limit: int | None, chat: bool) -> Response:
+    async def respond(request: Request, body: Sampling, ids: list[int], limit: int | None, shape: Shape,
+                      top_logprobs: int | None) -> Response:
+        chat = shape.chat
         if body.model is not None and body.model != settings.model_id:
             raise ApiError(404, f"model {body.model!r} is not served here (this server serves "
                                 f"{settings.model_id!r})", "not_found_error", param="model", code="model_not_found")
-        if body.n != 1:
-            raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n")
+        if body.spec is not None and body.spec not in SPEC_MODES:
+            raise ApiError(400, f"spec: must be one of {', '.join(SPEC_MODES)}, got {body.spec!r}", param="spec")
+        grammar = fields.grammar(body)
+        fields.compiled(grammar)
         room = engine.context - len(ids)
         if room < 1:
             raise ApiError(400, f"prompt has {len(ids)} tokens, the context reserved is {engine.context} tokens",
@@ -150,14 +166,20 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({limit}) exceed the context reserved "
                                 f"({engine.context} tokens)", param="max_tokens", code="context_length_exceeded")
         max_new = limit if limit is not None else min(room, settings.max_tokens_limit)
-        sampling = dict(max_new_tokens=max_new, temperature=float(body.temperature), top_p=float(body.top_p),
-                        seed=body.seed, stop=body.stops())
-        try:  # checks the arguments (sampling, spec) before the request waits in the queue
+        sampling = dict(max_new_tokens=max_new, seed=body.seed, stop=body.stops(), logprobs=top_logprobs,
+                        temperature=float(1.0 if body.temperature is None else body.temperature),
+                        top_p=float(1.0 if body.top_p is None else body.top_p), top_k=body.top_k or 0,
+                        min_p=float(body.min_p or 0.0), presence_penalty=float(body.presence_penalty or 0.0),
+                        frequency_penalty=float(body.frequency_penalty or 0.0),
+                        logit_bias=fields.logit_bias(body.logit_bias, engine.model.vocab_size), grammar=grammar)
+        try:  # Engine.stream checks every argument (sampling, spec, the grammar) when called, before the request
+            # waits in the queue; its generator takes the engine at its first step, on the worker (a thread here:
+            # the first grammar for a tokenizer takes up to a second to set up)
             spec = {} if body.spec is None else {"spec": body.spec}
-            start = _checked_start(engine, ids, spec, sampling)
+            stream = await asyncio.to_thread(engine.stream, ids, **spec, **sampling)
         except (ConfigError, OffloadEngineError) as e:
-            raise ApiError(400, str(e)) from None
-        job = Job(start=start, loop=asyncio.get_running_loop())
+            raise ApiError(400, str(e), param=fields.param_of(str(e))) from None
+        job = Job(start=lambda: stream, loop=asyncio.get_running_loop())
 
         def client_left() -> None:  # the worker stops the job at its next step
             if settings.cancel_on_disconnect:
@@ -170,7 +192,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 "model": settings.model_id}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(_sse(job, meta, chat, len(ids), include_usage, client_left),
+            return StreamingResponse(_sse(job, meta, shape, len(ids), include_usage, client_left, metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watch = asyncio.create_task(_on_disconnect(request, client_left))
@@ -179,21 +201,9 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
         finally:
             watch.cancel()
             client_left()  # also when this handler is cancelled: its client is gone
-        return JSONResponse(_complete(meta, chat, finish, len(ids)))
+        return JSONResponse(complete(meta, shape, finish, len(ids)))
 
     return app
-
-
-def _checked_start(engine: Any, ids: list[int], spec: dict, sampling: dict):
-    """engine.stream checks its arguments when called: call it on the worker, but check them here first by
-    validating the sampling parameters and the speculative mode without taking the engine."""
-    from ..generate.sampling import SamplingParams
-    from ..speculative.stepper import check_spec
-
-    SamplingParams(**sampling)
-    if spec:
-        check_spec(spec["spec"], None, None)
-    return lambda: engine.stream(ids, **spec, **sampling)
 
 
 async def read_body(request: Request, cap: int) -> bytes:
@@ -203,12 +213,12 @@ async def read_body(request: Request, cap: int) -> bytes:
         raise ApiError(413, f"request body of {int(length)} bytes is over the limit of {cap} bytes "
                             "(--max-body-bytes)", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
+    async for part in request.stream():
+        size += len(part)
         if size > cap:
             raise ApiError(413, f"request body is over the limit of {cap} bytes (--max-body-bytes)",
                            code="request_too_large")
-        chunks.append(chunk)
+        chunks.append(part)
     return b"".join(chunks)
 
 
@@ -240,62 +250,44 @@ def _as_api_error(e: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
 
 
-def _usage(prompt_tokens: int, finish: FinishEvent) -> dict:
-    n = len(finish.token_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+async def _sse(job: Job, meta: dict, shape: Shape, prompt_tokens: int, include_usage: bool,
+               client_left: Callable[[], None], metrics: Metrics) -> AsyncIterator[str]:
+    """SSE chunks: a role chunk (chat) or the echoed prompt (completions, echo), one per token text with the
+    logprobs of the tokens it completes, a finish chunk (with those of tokens that added no text), the usage chunk
+    if asked, [DONE]. Cancelled (the client disconnected), it calls `client_left`, which stops the job at the
+    worker's next step."""
+    pending, offset = [], len(shape.echo)  # logprobs not sent yet; completions' text_offset of the next token
 
-
-def _complete(meta: dict, chat: bool, finish: FinishEvent, prompt_tokens: int) -> dict:
-    reason = FINISH.get(finish.reason, finish.reason)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": finish.text}, "logprobs": None,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": finish.text, "logprobs": None, "finish_reason": reason}
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": _usage(prompt_tokens, finish), "offload_engine": _jsonable(finish.stats)}
-
-
-def _chunk(meta: dict, chat: bool, text: str | None, reason: str | None, first: bool = False) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
-    return {**meta, "object": "text_completion", "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                                               "finish_reason": reason}]}
-
-
-def _sse_line(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def _sse(job: Job, meta: dict, chat: bool, prompt_tokens: int, include_usage: bool,
-               client_left: Callable[[], None]) -> AsyncIterator[str]:
-    """SSE chunks: a role chunk (chat), one per token text, a finish chunk, the usage chunk if asked, [DONE].
-    Cancelled (the client disconnected), it calls `client_left`, which stops the job at the worker's next step."""
+    def take_logprobs() -> dict | None:
+        nonlocal pending, offset
+        body = logprobs_body(shape, pending, offset)
+        offset += sum(len(token_text(shape.tokenizer, r.token_id)) for r in pending) if body is not None else 0
+        pending = []
+        return body
     try:
-        if chat:
-            yield _sse_line(_chunk(meta, chat, "", None, first=True))
+        if shape.chat or shape.echo:
+            yield sse_line(chunk(meta, shape, shape.echo, None, first=True))
         while (item := await job.events.get()) is not DONE:
             if isinstance(item, Exception):
-                yield _sse_line(_as_api_error(item).body())
+                error = _as_api_error(item)
+                metrics.count_error(error.status)
+                yield sse_line(error.body())
                 continue
             if isinstance(item, TokenEvent):
+                if item.logprob is not None:
+                    pending.append(item.logprob)
                 if item.text:
-                    yield _sse_line(_chunk(meta, chat, item.text, None))
+                    yield sse_line(chunk(meta, shape, item.text, None, logprobs=take_logprobs()))
             elif isinstance(item, FinishEvent):
-                last = _chunk(meta, chat, None, FINISH.get(item.reason, item.reason))
-                last["offload_engine"] = _jsonable(item.stats)
+                last = chunk(meta, shape, None, FINISH.get(item.reason, item.reason),
+                             logprobs=take_logprobs() if pending else None)
+                last["offload_engine"] = jsonable(item.stats)
                 if not include_usage:
-                    last["usage"] = _usage(prompt_tokens, item)
-                yield _sse_line(last)
+                    last["usage"] = usage(prompt_tokens, item)
+                yield sse_line(last)
                 if include_usage:
-                    yield _sse_line({**meta, "object": last["object"], "choices": [],
-                                     "usage": _usage(prompt_tokens, item)})
+                    yield sse_line({**meta, "object": last["object"], "choices": [],
+                                    "usage": usage(prompt_tokens, item)})
         yield "data: [DONE]\n\n"
     finally:
         client_left()
-
-
-def _jsonable(stats: dict) -> dict:
-    return json.loads(json.dumps(stats, default=str))

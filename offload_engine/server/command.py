@@ -82,6 +82,15 @@ def serve(engine: Any, args: argparse.Namespace) -> int:
           f"{'streams ' + ', '.join(streamed) if streamed else 'every weight resident'}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5,
                             access_log=not args.quiet)
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    worker = app.state.worker
+
+    class Server(uvicorn.Server):
+        """Ctrl-C ends the requests in flight at once: uvicorn would wait for them (up to its graceful timeout,
+        then print the tasks it cancelled), and a generation can run for minutes."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            worker.cancel_all()  # here in the event loop, not in the signal handler: it takes the queue's lock
+            await super().shutdown(sockets)
+
+    Server(config).run(sockets=[sock])
     return 0

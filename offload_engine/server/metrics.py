@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Metrics:
     requests: int = 0
-    errors: int = 0
+    errors: dict[int, int] = field(default_factory=dict)  # error answers by HTTP status
     prompt_tokens: int = 0
     completion_tokens: int = 0
     generated_tokens: int = 0  # every token the engine produced, those of requests cancelled midway included
@@ -33,6 +33,10 @@ class Metrics:
                 if isinstance(value, (int, float)):
                     self.bytes_read[tier] = self.bytes_read.get(tier, 0) + int(value)
 
+    def count_error(self, status: int) -> None:
+        with self.lock:
+            self.errors[status] = self.errors.get(status, 0) + 1
+
     def count_token(self) -> None:
         with self.lock:
             self.generated_tokens += 1
@@ -42,7 +46,7 @@ class Metrics:
             lines = [
                 "# TYPE offload_engine_requests_total counter", f"offload_engine_requests_total {self.requests}",
                 "# TYPE offload_engine_request_errors_total counter",
-                f"offload_engine_request_errors_total {self.errors}",
+                *(f'offload_engine_request_errors_total{{status="{c}"}} {n}' for c, n in sorted(self.errors.items())),
                 "# TYPE offload_engine_prompt_tokens_total counter",
                 f"offload_engine_prompt_tokens_total {self.prompt_tokens}",
                 "# TYPE offload_engine_reused_prompt_tokens_total counter",

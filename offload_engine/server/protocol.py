@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -22,9 +23,16 @@ class ApiError(Exception):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A chat message. Fields the chat template has no place for (a tool call, a participant's name) are refused
+    by `fields.check_message`, not dropped."""
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
+    name: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         """The content as text: a list of content parts keeps its text parts (images are refused)."""
@@ -42,22 +50,33 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # refused when true (fields.py)
 
 
 class Sampling(BaseModel):
-    """The fields both endpoints share; unknown fields are accepted and ignored, as OpenAI's servers do."""
-    model_config = ConfigDict(extra="allow")
+    """The fields both endpoints share. An unknown field is a 400 naming it (as OpenAI answers), and each known
+    field is implemented or refused with a 400 when set to a value this server would not honour (fields.py)."""
+    model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: Number = Field(default=1.0, ge=0, le=2)
-    top_p: Number = Field(default=1.0, gt=0, le=1)
+    temperature: Number | None = Field(default=1.0, ge=0, le=2)
+    top_p: Number | None = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    spec: StrictStr | None = None  # the extra field that overrides the server's speculative mode
+    presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, Number] | None = None
+    user: StrictStr | None = None  # an end-user id: output-neutral
+    # extensions, sent with the openai client's extra_body
+    spec: StrictStr | None = None  # overrides the server's speculative mode for this request
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    min_p: Number | None = Field(default=None, ge=0, le=1)
+    grammar: StrictStr | None = None  # a Lark grammar the output must match
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -68,10 +87,42 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    # output-neutral, checked by fields.py
+    metadata: dict[StrictStr, StrictStr] | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Any = None
+    service_tier: Any = None
+    store: Any = None
+    modalities: Any = None
+    # refused unless absent or a value that asks for nothing (fields.py)
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    reasoning_effort: Any = None
+    tool_choice: Any = None
+    tools: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    best_of: Any = None
+    suffix: Any = None
+
+
+_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|(list|dict|tuple|set|union|literal|nullable|function-\w+|"
+                       r"constrained-\w+)\[.*\]|constrained-\w+)$")
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -84,11 +135,23 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        # the loc names the field, then pydantic's tag of the union member that failed ('int', 'list[int]'): drop it
+        param = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and _TYPE_TAG.match(p))) or None
+        msg = first["msg"]
+        at = len(first["loc"]) - 1  # where the union's tag sits in each member's loc
+        tags = [err["loc"][at] for err in e.errors() if len(err["loc"]) > at and err["loc"][:at] == first["loc"][:at]
+                and isinstance(err["loc"][at], str) and _TYPE_TAG.match(err["loc"][at])]
+        if tags:  # a union (a number: int or float): name the types it takes
+            msg = f"expected {' or '.join(dict.fromkeys(tags))}, got {first['input']!r}"
+        if first["type"] == "extra_forbidden":
+            msg = "unknown request field: this server answers a field it does not implement with an error rather " \
+                  "than ignore it (docs/SERVE.md lists the fields)"
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None

@@ -50,12 +50,13 @@ class EngineWorker:
         except queue.Full:
             raise QueueFull(f"the request queue is full ({self.jobs.maxsize} waiting)") from None
 
-    def stop(self) -> None:
-        """Ends the worker: the job in progress is cancelled at its next step, those waiting are answered DONE."""
+    def cancel_all(self) -> None:
+        """The job in progress is cancelled at its next step, those waiting are answered DONE (a server shutting
+        down: their responses end now instead of after their last token). The worker goes on."""
         current = self.current
         if current is not None:
             current.cancelled.set()
-        while True:  # drain, so the sentinel below always finds room
+        while True:
             try:
                 waiting = self.jobs.get_nowait()
             except queue.Empty:
@@ -63,6 +64,10 @@ class EngineWorker:
             if waiting is not None:
                 waiting.cancelled.set()
                 waiting.put(DONE)
+
+    def stop(self) -> None:
+        """Ends the worker: every job cancelled (cancel_all), then the thread joined."""
+        self.cancel_all()  # drains the queue, so the sentinel below always finds room
         self.jobs.put_nowait(None)
         self.thread.join(timeout=30)
 

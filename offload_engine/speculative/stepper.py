@@ -153,7 +153,10 @@ class SpeculativeStepper:
         logits, hidden, seconds = self._forward(tokens, positions, mask, last_only=False)
         self.stats.verify_s += seconds
         self.cost.observe_forward(tokens.shape[0], seconds)
-        verdict = verify(tree, logits, self.sampler.params, self.sampler.generator)
+        # bias, penalties, a grammar's mask: each row continues the accepted tokens along its own path (row 0: root)
+        paths = [[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))]
+        verdict = verify(tree, self.sampler.adjust(logits, paths), self.sampler.params, self.sampler.generator)
+        self.sampler.accept(verdict.tokens, logits[[0] + [1 + n for n in verdict.nodes]])
         self.cache.keep([L] + [L + 1 + n for n in verdict.nodes])
         if hidden is not None:
             rows = torch.tensor([0] + [1 + n for n in verdict.nodes], device=hidden.device)

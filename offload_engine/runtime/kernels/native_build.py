@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from ...interrupts import ending_stray_processes
+
 log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decode_cpu.cpp", "layer_cpu.cpp",
@@ -151,9 +153,10 @@ def _build() -> ModuleType:
     fresh = not any(where.glob("*.so"))
     if fresh:
         print(f"offload-engine: building its {isa()} CPU kernels once into {where} (~1-2 min)", file=sys.stderr)
-    return cpp_extension.load(name="offload_engine_cpu", sources=[str(p) for p in SOURCES],
-                              build_directory=str(where), extra_cflags=list(flags()), extra_ldflags=["-fopenmp"],
-                              verbose=False)
+    with ending_stray_processes():  # a Ctrl-C mid-build: ninja is killed outright, its compilers would run on
+        return cpp_extension.load(name="offload_engine_cpu", sources=[str(p) for p in SOURCES],
+                                  build_directory=str(where), extra_cflags=list(flags()), extra_ldflags=["-fopenmp"],
+                                  verbose=False)
 
 
 def _clear_stale_lock(lock: Path) -> None:
