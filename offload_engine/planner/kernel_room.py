@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..checkpoint.formats import PRIMARY, QuantSpec, decode
+from ..checkpoint.gguf.config import GGUF_NATIVE_TYPES
 
 INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
 # GGUF types of 4-bit values with one scale and one offset per 32 inputs (runtime/gguf_dequant.int4_parts)
@@ -43,10 +44,14 @@ def is_fp8(q: QuantSpec) -> bool:
     return q.kind == "fp8_block" or (q.kind == "ct_naive" and q.float_values)
 
 
-def cpu_path(q: QuantSpec) -> str | None:
-    """cpu_int4 | cpu_int8 | cpu_dense for a weight stored as `q` that takes a CPU form, else None (dequantize)."""
+def cpu_path(q: QuantSpec, gguf_native: bool = False) -> str | None:
+    """cpu_int4 | cpu_int8 | cpu_dense | cpu_gguf for a weight stored as `q` that takes a CPU form, else None
+    (dequantize). gguf_native: the compute is bf16 (itemsize 2), where the native kernels read GGUF blocks in place
+    (cpu_gguf); in float32 Q4_0 / Q4_K take torch's int4 kernel (scales in float32, exact)."""
     if is_fp8(q):
         return "cpu_dense"
+    if gguf_native and q.kind == "gguf" and q.gtype in GGUF_NATIVE_TYPES:
+        return "cpu_gguf"
     if q.kind.startswith("gguf"):  # Q4_0 / Q4_K; the other GGUF types are dequantized
         return "cpu_int4" if int4_group(q) is not None else None
     if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and int4_group(q) is not None:
@@ -72,6 +77,8 @@ def tail_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
     [K/g, N, 2]; int8's scales [N] and zero terms [N]; the dense form's rows its stored data does not hold."""
     if path == "cpu_dense":
         return aligned((q.out - dense_rows_in_place(q, itemsize)) * q.inp * itemsize)
+    if path == "cpu_gguf":  # the stored blocks themselves
+        return 0
     if path == "cpu_int4":
         return aligned((q.inp // int4_group(q)) * q.out * 2 * itemsize)
     return 2 * aligned(q.out * itemsize)
@@ -82,7 +89,7 @@ def data_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
     dense form: its whole matrix, the tail's rows included; int-quantized int8 is used as stored: none)."""
     if path == "cpu_dense":
         return q.out * q.inp * itemsize - tail_bytes(q, path, itemsize)
-    if path == "cpu_int8" and q.kind == "ct_naive":
+    if (path == "cpu_int8" and q.kind == "ct_naive") or path == "cpu_gguf":
         return 0
     return q.out * q.inp // 2 if path == "cpu_int4" else q.out * q.inp
 
@@ -99,5 +106,5 @@ def unit_room(names: Iterable[str], itemsize: int) -> int:
 
 def room_for(specs: Iterable[QuantSpec], itemsize: int) -> int:
     """The tails of these weights' kernel forms, plus the alignment of the tail's start (0 if none applies)."""
-    tails = [tail_bytes(q, p, itemsize) for q in specs if (p := cpu_path(q)) is not None]
+    tails = [tail_bytes(q, p, itemsize) for q in specs if (p := cpu_path(q, itemsize == 2)) is not None]
     return ALIGN + sum(tails) if tails else 0

@@ -162,6 +162,18 @@ def kv_b(k_b: torch.Tensor, v_b: torch.Tensor, q: QuantSpec, dtype: torch.dtype)
 
 
 INT4_TYPES = GGUF_INT4_TYPES  # 4-bit values with one scale and one offset per 32: the CPU int4 kernel's form
+# ggml's type ids (gguf.GGMLQuantizationType) of the types the native CPU kernels read in place (kernels/native/
+# gguf_blocks.h; planner/kernel_room.GGUF_NATIVE_TYPES)
+NATIVE_TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23, "MXFP4": 39}
+
+
+def native_form(data: torch.Tensor, q: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF weight as the native CPU kernels read it: (its stored blocks as uint8 [out, bytes a row], a view: no
+    copy; meta int64 [ggml type id, in, heads]: heads > 0 where llama.cpp permuted the rows, put back in order by
+    the kernel)."""
+    per, size, _ = BLOCKS[q.gtype]
+    blocks = data.reshape(q.out, q.inp // per * size)
+    return blocks, torch.tensor([NATIVE_TYPES[q.gtype], q.inp, q.heads or 0], dtype=torch.int64)
 
 
 def int4_parts(data: torch.Tensor, q: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,6 +20,10 @@ from .reader import GGUFFile
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
          "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
 ARCHS.update(hybrid.ARCHS)  # qwen3next, qwen35moe (hybrid.py)
+# GGUF types the native CPU kernels multiply in place in a bf16 compute (runtime/kernels/native/gguf_cpu.cpp; their
+# form is a view of the stored blocks, no bytes beside them: planner/kernel_room.py)
+GGUF_NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")
+PLAIN_TYPES = ("F32", "F16", "BF16")
 
 
 def model_type(g: GGUFFile) -> str:
@@ -87,6 +91,14 @@ def _rope(m: _Meta, g: GGUFFile) -> dict[str, Any]:
     raise ConfigError(f"{g.path}: rope scaling type {kind!r} is not supported; supported: none, linear, yarn")
 
 
+def compute_dtype(g: GGUFFile) -> str:
+    """config.json's dtype (the CPU's compute dtype where it multiplies bf16 well: config.resolve_dtype):
+    bfloat16 where every quantized tensor is of a type the native kernels read in place (its weights then never
+    dequantized), float32 otherwise (plain files, other types: what the parity tests compare)."""
+    quantized = {t.gtype for t in g.tensors.values() if t.gtype not in PLAIN_TYPES}
+    return "bfloat16" if quantized and quantized <= set(GGUF_NATIVE_TYPES) else "float32"
+
+
 def _dense_layers(g: GGUFFile, layers: int) -> list[int]:
     return [l for l in range(layers) if f"blk.{l}.ffn_gate_inp.weight" not in g.tensors]
 
@@ -115,7 +127,7 @@ def _build(g: GGUFFile) -> dict[str, Any]:
         "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(m.get("context_length", 4096)), "rope_theta": float(m.get("rope.freq_base",
                                                                                                  10000.0)),
-        "tie_word_embeddings": "output.weight" not in g.tensors, "dtype": "float32", "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in g.tensors, "dtype": compute_dtype(g), "hidden_act": "silu",
         "bos_token_id": g.get("tokenizer.ggml.bos_token_id"), "eos_token_id": g.get("tokenizer.ggml.eos_token_id"),
     }
     if mt != "deepseek_v3" and m.get("attention.key_length"):

@@ -49,6 +49,7 @@ class DecodeKernels:
     timings: dict[str, dict[str, float]]  # shape -> {"torch_us": .., "native_us": ..}
     native_int: frozenset[tuple[str, int, int]] = frozenset()  # (form, out, in) of int weights native_int takes
     plain_rows: int = MAX_ROWS  # the most rows of x the plain linear takes (ANY_ROWS: torch multiplies bf16 slowly)
+    gguf: bool = False  # GGUF forms (int_experts.is_gguf) take the native kernels: torch has none for them
 
     def _rows_fit(self, x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
         """x is a decode step's few bf16 rows, what every native kernel takes (`limit`: how many)."""
@@ -62,7 +63,11 @@ class DecodeKernels:
         """Weight `name`'s int8 / int4 kernel form as the native kernel takes it, where its form and shape chose
         the native kernel; else None."""
         form = int_experts.int_form(w, name)
-        if form is None or int_experts.form_key(form) not in self.native_int:
+        if form is None:
+            return None
+        if int_experts.is_gguf(form):
+            return int_experts.kernel_parts(form) if self.gguf else None
+        if int_experts.form_key(form) not in self.native_int:
             return None
         return int_experts.kernel_parts(form)
 
@@ -72,7 +77,7 @@ class DecodeKernels:
         plain = w.get(name)
         if plain is not None:
             return [plain] if self._plain_chosen(plain) else None
-        return self._int_parts(w, name) if self.native_int else None
+        return self._int_parts(w, name) if self.native_int or self.gguf else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """x @ weight.T by the native kernel where it was chosen for this shape, else None (x [..., in]: the
@@ -90,7 +95,7 @@ class DecodeKernels:
         plain = [w.get(name) for name in names]
         if all(p is not None for p in plain):
             return self.module.linears(x.contiguous(), plain) if all(map(self._plain_chosen, plain)) else None
-        if not self.native_int or not self._rows_fit(x):
+        if not (self.native_int or self.gguf) or not self._rows_fit(x):
             return None
         forms = [self._int_parts(w, name) for name in names]
         return None if None in forms else self.module.int_linears(x.contiguous(), forms)
@@ -105,7 +110,7 @@ class DecodeKernels:
     def int_linear(self, x: torch.Tensor, w, name: str) -> torch.Tensor | None:
         """x @ W.T for weight `name` of unit `w` by the native int kernel where its form and shape chose it (its
         CPU int8 / int4 kernel form: int_experts.int_form), else None."""
-        if not self.native_int or not self._rows_fit(x):
+        if not (self.native_int or self.gguf) or not self._rows_fit(x):
             return None
         parts = self._int_parts(w, name)
         return None if parts is None else self.module.int_linear(x.contiguous(), parts)
@@ -114,6 +119,7 @@ class DecodeKernels:
         return {"native_linear": sorted(f"{n}x{k}" for n, k in self.native),
                 "native_int_linear": sorted("%s:%dx%d" % key for key in self.native_int),
                 "native_experts": self.experts, "timings_us": self.timings, "isa": native_build.isa(),
+                "native_gguf": self.gguf,
                 "native_linear_rows": "any" if self.plain_rows >= ANY_ROWS else self.plain_rows}
 
 
@@ -220,9 +226,12 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
         int_shape = None if int_shape is not None and int_shape[0].startswith("int4") else int_shape  # (a forced ISA)
         int_linears = [key for key in int_linears if not key[0].startswith("int4")]
     rows = MAX_ROWS if native_build.torch_multiplies_bf16() else ANY_ROWS
+    gguf = hasattr(module, "gguf_types")  # GGUF forms: native, unmeasured (torch has no kernel for them)
+    gguf_experts = int_shape is not None and int_shape[0] == "gguf"
+    int_shape = None if gguf_experts else int_shape
     if os.environ.get("OFFLOAD_ENGINE_NATIVE") == "all":  # every shape native, nothing measured (tests, A/B runs)
-        return DecodeKernels(module, frozenset(linear_shapes), experts is not None or int_shape is not None, {},
-                             frozenset(int_linears), rows)
+        return DecodeKernels(module, frozenset(linear_shapes), experts is not None or int_shape is not None or
+                             gguf_experts, {}, frozenset(int_linears), rows, gguf)
     path = _cache_file()
     try:
         stored = json.loads(path.read_text())
@@ -254,7 +263,8 @@ def choose(linear_shapes: Iterable[tuple[int, int]], experts: tuple[int, int, in
     faster = {key for key, t in timings.items() if t["native_us"] < t["torch_us"]}
     native = frozenset((int(a), int(b)) for a, b in (key.split("x") for key in faster if ":" not in key))
     native_int = frozenset(key for key in set(int_linears) if "%s:%dx%d" % key in faster)
-    return DecodeKernels(module, native, any(key.startswith("experts") for key in faster), timings, native_int, rows)
+    return DecodeKernels(module, native, gguf_experts or any(key.startswith("experts") for key in faster), timings,
+                         native_int, rows, gguf)
 
 
 def plain_float_shapes(layouts: Iterable) -> set[tuple[int, int]]:

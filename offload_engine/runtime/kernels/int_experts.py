@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...planner.kernel_room import cpu_path, int4_group, quantized_specs
 from . import cpu_int
-from .select import S, T, W
+from .select import G, S, T, W
 
 
 class IntExpert(NamedTuple):
@@ -28,7 +28,11 @@ class IntExpert(NamedTuple):
 
 
 def int_form(w: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(weight, scale, zero term) of weight `name`'s CPU int8 / int4 kernel form in bfloat16, or None."""
+    """(weight, scale, zero term) of weight `name`'s CPU int8 / int4 kernel form in bfloat16, or None; a GGUF form
+    as (blocks, meta, None) (select.py G)."""
+    meta = w.get(name + G)
+    if meta is not None:
+        return w[name + W], meta, None
     q, s = w.get(name + W), w.get(name + S)
     if q is None or s is None or q.dtype not in (torch.int8, torch.uint8) or s.dtype != torch.bfloat16:
         return None
@@ -55,6 +59,11 @@ def int_expert(w: Mapping[str, torch.Tensor]) -> IntExpert | None:
     return IntExpert(kernel_parts(gate), kernel_parts(up), kernel_parts(down))
 
 
+def is_gguf(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> bool:
+    """A GGUF form (blocks, meta): the native kernel is its one fast path (no torch kernel to race)."""
+    return form[1].dtype == torch.int64
+
+
 def form_key(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tuple[str, int, int]:
     """(form, out, in) of a kernel form: "int8", or "int4-g<group>" (what decode.py times and chooses by)."""
     q, s = form[0], form[1]
@@ -66,7 +75,10 @@ def form_key(form: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tu
 
 
 def _label(q) -> str | None:
-    path = cpu_path(q)
+    """The form a weight stored as `q` takes in a bf16 compute (decode.py's kernels exist only there)."""
+    path = cpu_path(q, gguf_native=True)
+    if path == "cpu_gguf":
+        return "gguf"
     return "int8" if path == "cpu_int8" else f"int4-g{int4_group(q)}" if path == "cpu_int4" else None
 
 
@@ -77,14 +89,15 @@ def int_linear_shapes(layouts: Iterable) -> set[tuple[str, int, int]]:
         if layout.key.kind in ("expert", "embed"):
             continue
         for _, q in quantized_specs(t.local for t in layout.slices):
-            if (label := _label(q)) is not None:
+            if (label := _label(q)) is not None and label != "gguf":  # (GGUF forms: always native)
                 shapes.add((label, q.out, q.inp))
     return shapes
 
 
 def int_expert_shape(layouts: Iterable, top_k: int, hidden_act: str) -> tuple[str, int, int, int] | None:
     """(form, hidden, moe_intermediate, top_k) of a routed expert whose gate/up/down all take one CPU int kernel
-    (form "int8" or "int4-g<group>") under a SiLU gate; None otherwise."""
+    (form "int8", "int4-g<group>" or "gguf": GGUF types, which may differ between them) under a SiLU gate; None
+    otherwise."""
     if hidden_act not in ("silu", "swish") or top_k < 1:
         return None
     layout = next((l for l in layouts if l.key.kind == "expert"), None)

@@ -33,21 +33,24 @@ from ...interrupts import ending_stray_processes
 log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decode_cpu.cpp", "layer_cpu.cpp",
-                                           "decode_plan.cpp", "bindings.cpp"))
+                                           "decode_plan.cpp", "gguf_cpu.cpp", "bindings.cpp"))
 HEADERS = tuple(NATIVE / name for name in ("ops.h", "bf16_util.h", "int_input.h", "bf16_dot_avx512.h",
-                                           "bf16_dot_avx2.h", "int_avx512.h", "int_avx2.h"))
+                                           "bf16_dot_avx2.h", "int_avx512.h", "int_avx2.h", "gguf_blocks.h"))
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 # per instruction set, best first: the compiler flags and the /proc/cpuinfo flags they need. AVX-512: VPDPBF16PS
-# (bf16), VPDPBUSD (VNNI) and VPERMT2B (VBMI); Cooper Lake, the one AVX512-BF16 CPU without VBMI, takes AVX2
+# (bf16), VPDPBUSD (VNNI) and VPERMT2B (VBMI), F16C and FMA (the GGUF kernels' 256-bit code: every AVX-512 CPU has
+# them); Cooper Lake, the one AVX512-BF16 CPU without VBMI, takes AVX2
 ISA_FLAGS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mf16c",
+               "-mfma"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
 }
 ISA_REQUIRED = {
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi", "f16c",
+                         "fma"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
 STALE_LOCK_S = 900  # a build takes 1-2 min on 2 cores

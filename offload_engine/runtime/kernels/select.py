@@ -15,8 +15,10 @@ stored data's name then leaves the unit's Weights, and `dense()` reads the kerne
 dequantize-then-matmul.
 
 Paths (docs/FORMATS.md has the table with the tolerances measured):
-  CPU   int4: compressed-tensors int4 group/channel, GPTQ 4-bit in order, AWQ, GGUF Q4_0/Q4_K -> cpu_int int4 (the same
-        bytes as the file's nibbles, plus scales/zeros in the compute dtype)
+  CPU   GGUF Q8_0, Q4_0, K-quants, IQ4_XS, MXFP4 in a bf16 compute -> the native kernels read the stored blocks in
+        place (`@k:w` a view of them, `@k:g` their type: native/gguf_cpu.cpp; no bytes beside the unit's)
+        int4: compressed-tensors int4 group/channel, GPTQ 4-bit in order, AWQ, GGUF Q4_0/Q4_K in float32 -> cpu_int
+        int4 (the same bytes as the file's nibbles, plus scales/zeros in the compute dtype)
         int8 per channel: compressed-tensors pack/int-quantized, GPTQ 8-bit one group -> cpu_int int8
         fp8 (block, channel) -> the dense form in the compute dtype, made once per fill (no CPU fp8 matmul)
         everything else (mxfp4, int8 groups, act-order GPTQ, small groups) -> dequantize
@@ -37,10 +39,11 @@ from ...checkpoint.layout import UnitLayout
 from ...planner.kernel_room import (ALIGN, aligned, cpu_path, data_bytes, dense_rows_in_place, quantized_specs,
                                     tail_bytes, unit_room)
 from ...planner.placement import ROW_KINDS
-from .. import dequant
-from . import cpu_int, fp8, triton_int
+from .. import dequant, gguf_dequant
+from . import cpu_int, fp8, native_build, triton_int
 
 W, S, T, Z, M = "@k:w", "@k:s", "@k:t", "@k:z", "@k:m"
+G = "@k:g"  # a GGUF form's meta (gguf_dequant.native_form): its `@k:w` is the stored blocks
 D = "@k:d"  # the dense form's rows after those its stored data holds in place (cpu_dense)
 
 
@@ -48,7 +51,7 @@ D = "@k:d"  # the dense form's rows after those its stored data holds in place (
 class Planned:
     local: str
     q: QuantSpec
-    path: str  # cpu_int4 | cpu_int8 | triton | fp8
+    path: str  # cpu_int4 | cpu_int8 | cpu_dense | cpu_gguf | triton | fp8
     tail: int  # bytes of its scales / zero terms (carved from the slot's tail, or allocated)
     copy: int  # bytes of its data where it cannot be written in place (views of the stored tensors cost none)
 
@@ -86,10 +89,15 @@ def over(data: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return laid_into(data.reshape(-1).view(torch.uint8), t)
 
 
-def path_for(q: QuantSpec, device: torch.device) -> str | None:
-    """The fast path a weight stored as `q` takes on `device`, or None (dequantize)."""
+def path_for(q: QuantSpec, device: torch.device, itemsize: int = 4) -> str | None:
+    """The fast path a weight stored as `q` takes on `device` in a compute dtype of `itemsize` bytes, or None
+    (dequantize). GGUF in bf16: the native kernels (without them, dequantize: the planner left no room for
+    another form)."""
     if device.type == "cpu":
-        return cpu_path(q) if cpu_int.available() else None
+        path = cpu_path(q, itemsize == 2) if cpu_int.available() else None
+        if path == "cpu_gguf" and (native_build.supported() is not None or native_build.load() is None):
+            return None
+        return path
     if device.type == "cuda" and not q.kind.startswith("gguf"):
         if q.kind == "ct_pack" and q.strategy in ("group", "channel") and triton_int.available():
             return "triton"
@@ -123,7 +131,7 @@ class Kernels:
         itemsize = torch.empty((), dtype=dtype).element_size()
         for local, q in quantized_specs(views):
             device = next(v for k, v in views.items() if k.startswith(local + PRIMARY)).device
-            path = path_for(q, device)
+            path = path_for(q, device, itemsize)
             if path is None:
                 continue
             if path.startswith("cpu"):
@@ -165,7 +173,7 @@ class Kernels:
                 if kernel_data.data_ptr() != data.data_ptr():
                     built.replaced.append(stored)
                 for name, t in tensors.items():
-                    if name != p.local + W and name != p.local + M:
+                    if name not in (p.local + W, p.local + M, p.local + G):  # (metas: a few bytes, allocated)
                         tensors[name] = carver.place(t)
             built.tensors.update(tensors)
         return built
@@ -176,6 +184,9 @@ def _build(p: Planned, parts: dict, dtype: torch.dtype) -> dict[str, torch.Tenso
         if p.q.kind == "fp8_block":
             return {W: dequant.fp8_block(parts["data"], parts["scale"], p.q, dtype)}
         return {W: dequant.ct_naive(parts["data"], parts["scale"], parts["zero"], p.q, dtype)}
+    if p.path == "cpu_gguf":
+        blocks, meta = gguf_dequant.native_form(parts["data"], p.q)
+        return {W: blocks, G: meta}
     if p.path == "cpu_int4":
         got = cpu_int.repack_int4(p.q, parts, dtype)
         return None if got is None else {W: got[0], S: got[1]}
@@ -192,6 +203,13 @@ def fast_linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> to
     packed = w.get(name + W)
     if packed is None:
         return None
+    meta = w.get(name + G)
+    if meta is not None:  # GGUF blocks: the native kernel, any rows of bf16 x (else the caller dequantizes)
+        if x.dtype is not torch.bfloat16 or x.device.type != "cpu":
+            return None
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = native_build.load().int_linear(x.reshape(-1, k).contiguous(), [packed, meta])
+        return y.reshape(*lead, -1)
     if packed.dtype.is_floating_point and name + M not in w:  # the dense form (fp8 on a CPU)
         if packed.dtype != x.dtype:
             return None

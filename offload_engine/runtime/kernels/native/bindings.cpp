@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts", &experts, unlocked(), "routed experts' gated SiLU MLPs, one call per layer");
   m.def("linears", &linears, unlocked(), "linear for several weights of one input, one parallel region");
   m.def("int_linears", &int_linears, unlocked(), "int_linear for several weights of one input, x quantized once");
+  m.def("gguf_types", &gguf_types, "the ggml type ids whose GGUF forms the int kernels read in place");
   m.def("int4_block_rows", &int4_block_rows, "rows per block of the int4 pack the int kernels read (64 or 32)");
   m.def("int_linear", &int_linear, unlocked(), "x [M, K] @ W^T for an int8 / int4 kernel form, bfloat16 out");
   m.def("experts_int", &experts_int, unlocked(),

@@ -102,6 +102,10 @@ void int4_rows(const Form& f, const Act& a, int64_t r0, bf16* out, int64_t ldo) 
 // rows [n0, n1) of a projection for every row of x (int4: n0 and n1 on the pack's blocks, or N)
 void run_rows(const Proj& p, int64_t n0, int64_t n1) {
   const Act& a = *p.a;
+  if (p.f.gguf != 0) {  // a GGUF form: its blocks in place (gguf_cpu.cpp)
+    gguf_rows(p.f, a, n0, n1, p.out, p.ldo);
+    return;
+  }
   if (p.f.int4) {
     for (int64_t r = n0; r < n1; r += kB) int4_rows(p.f, a, r, p.out, p.ldo);
     return;
@@ -148,6 +152,7 @@ void check_x(const torch::Tensor& x, int64_t K, const char* what) {
 }  // namespace
 
 Form int_form(const std::vector<torch::Tensor>& parts, const char* what, int64_t e) {
+  if (parts.size() == 2 && parts[1].scalar_type() == torch::kLong) return gguf_form(parts[0], parts[1], what, e);
   TORCH_CHECK(parts.size() == 2 || parts.size() == 3, what, " of expert ", e,
               ": expected [weight, scale] or [weight, scale, zero term]");
   const auto &w = parts[0], &s = parts[1];

@@ -57,6 +57,11 @@ struct Form {  // one projection's weight in its kernel form
   const bf16* s = nullptr;  // int8: [N]; int4: [G, N, 2] (scale, zero) pairs
   const bf16* t = nullptr;  // int8: zero term [N] or null
   int64_t N = 0, K = 0, G = 1;  // G: groups of K (int4), 1 (int8)
+  // a GGUF block type read in place (gguf_cpu.cpp): its ggml type id (0: int8 / int4 above), the blocks of row n
+  // at blocks + src(n) * row_bytes, src undoing llama.cpp's q/k row permutation where heads > 0
+  int gguf = 0;
+  const uint8_t* blocks = nullptr;
+  int64_t row_bytes = 0, heads = 0;
 };
 
 }  // namespace offload_native

@@ -34,6 +34,11 @@ ExpertForms expert_forms(const std::vector<torch::Tensor>& gate, const std::vect
                          const std::vector<torch::Tensor>& down, int64_t e);
 PlainMatrix plain_matrix(const torch::Tensor& W, const char* what, int64_t e);
 offload_native::Form int_form(const std::vector<torch::Tensor>& parts, const char* what, int64_t e);
+// gguf_cpu.cpp: a GGUF form ([blocks, meta]: int_form takes it too) and its rows [n0, n1) for every row of x
+offload_native::Form gguf_form(const torch::Tensor& blocks, const torch::Tensor& meta, const char* what, int64_t e);
+void gguf_rows(const offload_native::Form& f, const offload_native::Act& a, int64_t n0, int64_t n1,
+               offload_native::bf16* out, int64_t ldo);
+std::vector<int64_t> gguf_types();
 // every expert's part for its rows, one parallel region per stage; all experts plain (bf16_cpu.cpp) or all
 // quantized (int_cpu.cpp)
 // Their scratch stays allocated after calls of at most kKeptRows rows in all (the runtime sends at most 16 rows of x,
