@@ -1,6 +1,7 @@
 """Shared fixtures: small real checkpoints written by tools/make_checkpoint.py (transformers' own classes)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ def checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
         key = (arch, preset, tuple(sorted(options.items())))
         if key not in cache:
             name = "-".join([arch, preset] + [f"{k}={v}" for k, v in sorted(options.items())])
+            if len(name) > 120:  # a dataclass option's repr grows with its fields: past NAME_MAX once written
+                name = f"{arch}-{preset}-{hashlib.sha1(name.encode()).hexdigest()[:16]}"
             cache[key] = make_checkpoint(arch, preset, root / name, **options)
         return cache[key]
 

@@ -290,7 +290,7 @@ def test_run_serve_and_plan_take_the_flag(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 4 and out["stats"]["kv_dtype"] == "int8"
     assert main(["run", "--prompt", "Hello", "--max-new-tokens", "2", "--kv-dtype", "fp8", "--stats"]) == 0
-    assert "KV fp8]" in capsys.readouterr().err
+    assert "KV fp8" in capsys.readouterr().err
     assert main(["plan", "--model", str(default_model_path()), "--kv-dtype", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_dtype"] == "int8" and out["kv_bytes_per_position"] == 4 * (48 + 4 + 16 + 4)  # 4 MLA layers

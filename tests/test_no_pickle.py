@@ -27,6 +27,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("offload_engine/checkpoint/arch/__init__.py", "dynamic-code", "get_naming"):
         "imports offload_engine.checkpoint.arch.<m> where <m> comes from the fixed _MODULES table, never from "
         "config text (an unknown model_type is refused before the import; see test_arch_registry_is_a_fixed_table)",
+    ("offload_engine/__init__.py", "dynamic-code", "__getattr__"):
+        "the package's public names load on first use (a Ctrl-C in the first second must not land inside torch's "
+        "import): the module comes from the fixed _LAZY table of the package's own submodules",
+    ("offload_engine/cli.py", "dynamic-code", "main"):
+        "imports each command's modules from the fixed COMMAND_IMPORTS table (the package's own and uvicorn/tqdm) "
+        "once the exit-at-once SIGINT handler is installed; nothing comes from user input",
+    ("tools/quant_peers.py", "dynamic-code", "load"):
+        "test tooling: AutoGPTQ's and AutoAWQ's own pure-torch files (the GPTQ/AWQ references), by path from their "
+        "PyPI releases fetched with pip; never a checkpoint's code, never at run time",
 }
 
 UNPICKLERS = {

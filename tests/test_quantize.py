@@ -334,9 +334,10 @@ def test_plan_reports_what_it_keeps_and_the_groups_it_fits():
 MEMORY = r'''
 import sys, threading, time
 import psutil
-from offload_engine.cli import main
-from offload_engine.quantize import convert  # noqa: F401  (imports done before the baseline)
-import tqdm  # noqa: F401
+from importlib import import_module
+from offload_engine.cli import COMMAND_IMPORTS, main
+for name in COMMAND_IMPORTS["quantize"]:  # what main imports for the command, done before the baseline
+    import_module(name)
 proc, peak, done = psutil.Process(), [0], threading.Event()
 def sample():  # resident size every millisecond (ru_maxrss would still hold the imports' own peak)
     while not done.is_set():
