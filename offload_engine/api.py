@@ -31,7 +31,7 @@ from .interrupts import finish_despite_interrupts, sigint_guarded
 from .planner.placement import Placement
 from .prefetch.prefetcher import Prefetcher
 from .runtime.mtp import mtp_layer_count
-from .runtime.cpu_load import CpuSample
+from .runtime.cpu_load import sample_other_load
 from .runtime.threads import ThreadTuner
 from .speculative.chooser import SpecStats
 from .speculative.stepper import check_spec, make_stepper
@@ -83,11 +83,10 @@ class Engine:
             raise TypeError(f"Engine.open: pass an EngineConfig or keywords, not both (got {sorted(keywords)})")
         elif not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an offload_engine.EngineConfig, got {type(config).__name__}")
-        cpu = CpuSample()  # what the other processes use while this opens: auto's first thread count
         parts = assemble(path, config)
         try:
             engine = cls(parts)
-            engine.threads = ThreadTuner.open(config.threads, parts.store.placement.streams, cpu)
+            engine.threads = ThreadTuner.open(config.threads, parts.store.placement.streams, sample_other_load())
             return engine
         except BaseException:  # a Ctrl-C may land in __init__ too
             finish_despite_interrupts(parts.close)

@@ -35,6 +35,17 @@ class CpuSample:
         return waited / (ran + waited) if ran + waited > 0 else 0.0
 
 
+def sample_other_load(seconds: float = 0.02) -> CpuSample:
+    """A CpuSample over `seconds` of this thread's own busy work, taken once the engine is open: auto's first
+    thread count. Sampled over the whole open instead, the engine's own reader threads (a 17 GB checkpoint read
+    at open) made the opening thread wait for a core on an idle machine, and auto started at one thread."""
+    sample = CpuSample()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return sample
+
+
 def _read() -> tuple[int, float, int, int] | None:
     """(thread id, monotonic seconds, ns on a core, ns waiting on a run queue) of the calling thread."""
     try:
