@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-plan", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("bench-size.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench-out/bench-size.json"))
     a = ap.parse_args(argv)
     if a.cmd == "engine-row":
         print(json.dumps(engine_row(a.model, a.ram, a.prompt, a.tokens, a.threads)))
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     text = table(rows)
     print(text)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "memory_read_bytes_per_s": mem.bytes_per_s,
                                  "disk_bytes_per_s": disk.bytes_per_s, "threads": a.threads,
                                  "loadavg": os.getloadavg(), "table": text}, indent=2) + "\n")

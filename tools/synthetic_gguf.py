@@ -203,7 +203,7 @@ def write_synthetic_gguf(cfg: dict, out: Path, gtype: str = "Q4_0", realistic: b
         w.write_ti_data_to_file()
         sources = realistic_sources(cfg, preset) if realistic else {}
         done = 0
-        for i, data in enumerate(tensor_data(specs, sources, seed)):
+        for data in tensor_data(specs, sources, seed):
             w.write_tensor_data(data)
             done += data.nbytes
             if progress:
