@@ -1,7 +1,6 @@
 """`offload-engine serve` through the official openai client and raw HTTP, on the demo model, loopback only."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from offload_engine.api import Engine  # noqa: E402
 from offload_engine.server.app import ServerSettings, create_app  # noqa: E402
+from tests.serving import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "offload_engine" / "data" / "demo-model"
@@ -38,24 +38,8 @@ def engine():
 @pytest.fixture(scope="module")
 def base(engine):
     """A server on a free loopback port, in this process (uvicorn on a thread)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024, max_queue=256))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024, max_queue=256)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +24,8 @@ from openai.types.chat import completion_create_params as chat_params  # noqa: E
 
 from offload_engine.api import Engine  # noqa: E402
 from offload_engine.server import fields as server_fields  # noqa: E402
-from offload_engine.server.app import ServerSettings, create_app  # noqa: E402
+from offload_engine.server.app import ServerSettings  # noqa: E402
+from tests.serving import serving  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "offload_engine" / "data" / "demo-model"
 MSGS = [{"role": "user", "content": "Write a function."}]
@@ -44,22 +42,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def base(engine):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 try:
@@ -29,7 +26,8 @@ from offload_engine.api import Engine  # noqa: E402
 from offload_engine.errors import ConfigError  # noqa: E402
 from offload_engine.generate.grammar import Grammar, GrammarMatcher  # noqa: E402
 from offload_engine.generate.sampling import Sampler, SamplingParams  # noqa: E402
-from offload_engine.server.app import ServerSettings, create_app  # noqa: E402
+from offload_engine.server.app import ServerSettings  # noqa: E402
+from tests.serving import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "offload_engine" / "data" / "demo-model"
@@ -64,22 +62,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def base(engine):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
