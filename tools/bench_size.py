@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench_common import evict  # noqa: E402
 from tools.bench_physical import active_bytes_gguf, active_bytes_hf  # noqa: E402
+from tools.page_cache import cached_bytes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -64,36 +65,6 @@ class SizeRow:
 # ---- one engine row, in its own process ------------------------------------------------------------------------
 def checkpoint_files(model: Path) -> list[Path]:
     return [model] if model.is_file() else sorted(model.glob("*.safetensors"))
-
-
-def page_cache_bytes(paths: list[Path]) -> int:
-    """Bytes of these files in the page cache (mincore over a shared read-only mapping: nothing is read)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    total, page = 0, mmap.PAGESIZE
-    for p in paths:
-        size = p.stat().st_size
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0) if size else None
-            if not addr or addr == ctypes.c_void_p(-1).value:
-                continue
-            try:
-                vec = ctypes.create_string_buffer((size + page - 1) // page)
-                if libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore {p}")
-                total += sum(b & 1 for b in vec.raw) * page
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
 
 
 def os_read_bytes() -> int:
@@ -142,7 +113,7 @@ def engine_row(model: Path, ram: str | None, prompt_len: int, tokens: int, threa
                 "disk_bytes_per_token": (read_end - read_decode) / max(1, len(steps)),
                 "open_read_bytes": read_decode - read0, "hit_rate": hits / max(1, hits + misses),
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "page_cache_bytes": page_cache_bytes(files), "stats": {
+                "page_cache_bytes": cached_bytes(files), "stats": {
                     k: finish.stats.get(k) for k in ("compute_dtype", "cpu_kernels", "threads", "peak_bytes",
                                                       "budget_bytes")}}
     finally:
@@ -163,7 +134,7 @@ def llama_row(gguf: Path, tokens: int, threads: int, repetitions: int) -> dict[s
     generated = tokens * (repetitions + 1)  # llama-bench warms up with one untimed run
     return {"tok_s": r.tok_s, "steady_tok_s": r.tok_s, "samples": r.samples_tok_s, "stddev": r.tok_s_stddev,
             "disk_bytes_per_token": (children_read_bytes() - read0) / generated,
-            "page_cache_bytes": page_cache_bytes([gguf]), "model_type": r.model_type}
+            "page_cache_bytes": cached_bytes([gguf]), "model_type": r.model_type}
 
 
 def llama_ttft(gguf: Path, prompt_len: int, threads: int) -> float:
