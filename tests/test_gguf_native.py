@@ -54,7 +54,9 @@ def form(raw: np.ndarray, gtype: str, k: int, heads: int = 0) -> list[torch.Tens
 
 
 @pytest.mark.parametrize("gtype", TYPES)
-@pytest.mark.parametrize("n,k,m", [(37, 256, 1), (16, 512, 3), (5, 1280, 16)])
+# K of 256 / 512 / 1280: Q4_0's four-block path on AVX-512 (gguf_avx512.h); 96 and 160 (3 and 5 blocks): its
+# two-block path and Q8_0's with a lone last block
+@pytest.mark.parametrize("n,k,m", [(37, 256, 1), (16, 512, 3), (5, 1280, 16), (7, 96, 2), (9, 160, 1)])
 def test_kernel_matches_the_gguf_dequantization_on_the_quantized_input(gtype, n, k, m):
     per = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]][0]
     k = max(k // per, 1) * per
@@ -72,9 +74,8 @@ def test_kernel_matches_the_gguf_dequantization_on_the_quantized_input(gtype, n,
     assert rel < 5e-3, rel
 
 
-@pytest.mark.parametrize("gtype", ("Q8_0", "Q4_0", "Q6_K"))
-def test_bits_do_not_depend_on_threads_or_the_rows_beside(gtype):
-    k = 512
+@pytest.mark.parametrize("gtype,k", [("Q8_0", 512), ("Q4_0", 512), ("Q4_0", 480), ("Q6_K", 512)])
+def test_bits_do_not_depend_on_threads_or_the_rows_beside(gtype, k):
     raw = random_blocks(gtype, 100, k, seed=3)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     before = torch.get_num_threads()

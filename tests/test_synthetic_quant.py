@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from tools.synthetic_quant import write_synthetic
+from tools.quant_writers import QuantOptions
+from tools.synthetic_quant import SLACK, expected_bytes, tensor_shapes, write_synthetic
 
 TINY = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
@@ -18,6 +19,7 @@ def test_written_folder_opens_and_runs(tmp_path, quant):
 
     out = tmp_path / quant
     result = write_synthetic(TINY, out, quant, shard_bytes=100_000)
+    assert result["bytes"] == expected_bytes(tensor_shapes(TINY), quant, QuantOptions())  # the disk check's figure
     assert result["shards"] > 1 and not (tmp_path / f"{quant}.partial").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] in ("compressed-tensors", "gptq", "fp8")
@@ -48,3 +50,14 @@ def test_realistic_routing_writes_the_routing_tools_tensors(tmp_path):
     assert torch.equal(got["lm_head.weight"], head.to(torch.bfloat16))
     assert torch.equal(got["model.layers.1.mlp.gate.weight"], routers[1].to(torch.bfloat16))
     assert (out / MARKER).is_file()
+
+
+def test_a_disk_without_room_is_refused_before_writing(tmp_path, monkeypatch):
+    """The free-disk check names what the checkpoint needs and what the disk has, and writes nothing."""
+    import shutil
+
+    free = expected_bytes(tensor_shapes(TINY), "ct-int4", QuantOptions()) + SLACK - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(free * 2, free, free))
+    with pytest.raises(SystemExit, match=r"needs 0\.\d+ GiB .* GiB free"):
+        write_synthetic(TINY, tmp_path / "full", "ct-int4")
+    assert list(tmp_path.iterdir()) == []

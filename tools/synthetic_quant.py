@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # run as a script: tools/ is on sys.path, the repo 
     from quant_writers import QUANTS, QuantOptions, quant_config, quantizable, quantize_tensor  # type: ignore
 
 STD = 0.02
+SLACK = 1 << 30  # free space kept beyond the checkpoint (the page cache's dirty pages, the index)
 
 
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -86,6 +87,32 @@ def realistic_tensors(config: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def expected_bytes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], quant: str, opts: QuantOptions) -> int:
+    """The bytes the checkpoint's tensors will take: each distinct shape quantized once (zeros: the parts' sizes do
+    not depend on the values), so the free-disk check runs before anything is written."""
+    per_kind: dict[tuple, int] = {}
+    total = 0
+    gen = torch.Generator().manual_seed(0)
+    for name, (shape, dtype) in shapes.items():
+        quantized = quantizable(name, torch.empty(shape, dtype=dtype, device="meta"))
+        key = (shape, dtype, quantized)
+        if key not in per_kind:
+            t = torch.zeros(shape, dtype=dtype)
+            parts = quantize_tensor(name, t, quant, opts, gen) if quantized else {name: t}
+            per_kind[key] = sum(v.numel() * v.element_size() for v in parts.values())
+        total += per_kind[key]
+    return total
+
+
+def check_disk(out: Path, need: int) -> None:
+    """SystemExit naming what is needed and what is free, before writing `need` bytes under out's folder."""
+    where = out.parent if out.parent.exists() else Path(".")
+    free = shutil.disk_usage(where).free
+    if need + SLACK > free:
+        raise SystemExit(f"{out}: needs {need / 2**30:.2f} GiB (+{SLACK / 2**30:.0f} GiB slack) but {where} has "
+                         f"{free / 2**30:.2f} GiB free")
+
+
 def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = QuantOptions(),
                     device: str = "cpu", shard_bytes: int = 2 << 30, fused_experts: bool = False,
                     realistic: bool = False) -> dict:
@@ -93,11 +120,12 @@ def write_synthetic(config: dict, out: Path, quant: str, opts: QuantOptions = Qu
     `realistic`: the embedding, head and routers of tools/realistic_routing.py instead of noise."""
     if quant not in QUANTS:
         raise SystemExit(f"--quant must be one of {', '.join(QUANTS)}, not {quant!r}")
+    shapes = tensor_shapes(config, fused_experts)
+    check_disk(out, expected_bytes(shapes, quant, opts))
     tmp = out.with_name(out.name + ".partial")  # published by one rename: never a half-written folder at `out`
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     gen = torch.Generator(device=device).manual_seed(opts.seed)
-    shapes = tensor_shapes(config, fused_experts)
     chosen = realistic_tensors(config) if realistic else {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, total, started = 0, 0, time.perf_counter()

@@ -22,10 +22,20 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int_input.h"
+
 namespace offload_native::gguf {
 
 // ggml's type ids (gguf.GGMLQuantizationType), the form's meta[0] (runtime/gguf_dequant.NATIVE_TYPES)
 enum Type : int { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23, kMXFP4 = 39 };
+
+// the stored row of output row n: llama.cpp's converter interleaves each head's rope pairs in q / k
+// (gguf_dequant.unpermute undoes it on a dequantized weight)
+inline int64_t stored_row(const Form& f, int64_t n) {
+  if (f.heads == 0) return n;
+  const int64_t per = f.N / f.heads, half = per / 2, rem = n % per;
+  return n - rem + 2 * (rem % half) + rem / half;
+}
 
 inline float half(const uint8_t* p) {
   uint16_t h;

@@ -14,16 +14,21 @@
 // whatever the thread count or the rows of x beside it.
 //
 // Instruction sets: AVX2 + F16C (gguf_blocks.h); the AVX-512 build (int_avx512.h's input: the digits q and r, no
-// joined x16) joins them per task and sums with VPDPWSSD (AVX512-VNNI on 256-bit vectors).
+// joined x16) joins them per task and sums with VPDPWSSD (AVX512-VNNI on 256-bit vectors), but for Q4_0 and Q8_0,
+// whose bytes meet the two digits directly in 512-bit VPDPBUSD (gguf_avx512.h: the same sums in another order).
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_util.h"
 #include "gguf_blocks.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#include "gguf_avx512.h"
+#endif
 #include "int_input.h"
 #include "ops.h"
 
@@ -33,6 +38,7 @@ using offload_native::Act;
 using offload_native::bf16;
 using offload_native::Form;
 using offload_native::kBlock;
+using offload_native::gguf::stored_row;
 namespace gg = offload_native::gguf;
 
 // a tile's NB rows are NB short streams (a row: ~1 KB at K = 2048) that the hardware prefetcher does not ramp up on
@@ -44,14 +50,6 @@ inline float sum8(__m256 v) {  // the 8 lanes in a fixed order
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// the stored row of output row n: llama.cpp's converter interleaves each head's rope pairs in q / k
-// (gguf_dequant.unpermute undoes it on a dequantized weight)
-inline int64_t stored_row(const Form& f, int64_t n) {
-  if (f.heads == 0) return n;
-  const int64_t per = f.N / f.heads, half = per / 2, rem = n % per;
-  return n - rem + 2 * (rem % half) + rem / half;
 }
 
 inline __m256i block_dot(const gg::Sub& s, __m256i xl, __m256i xh) {
@@ -120,6 +118,9 @@ template <class T>
 void rows_of(const Form& f, const Act& a, int64_t n0, int64_t n1, bf16* out, int64_t ldo) {
   std::vector<const int16_t*> x16(a.M);
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<T, gg::Q4_0> || std::is_same_v<T, gg::Q8_0>) {  // bytes against digits (gguf_avx512.h)
+    return gg::fast_rows<std::is_same_v<T, gg::Q8_0>>(f, a, n0, n1, out, ldo);
+  }
   thread_local std::vector<int16_t> joined;  // int_avx512.h's input keeps the digits apart: joined here, per task
   joined.resize(a.M * a.Kp);
   for (int64_t m = 0; m < a.M; ++m) {
