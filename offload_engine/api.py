@@ -24,7 +24,7 @@ from .assemble import SPEC_ROOM, EngineParts, assemble, close_parts
 from .config import EngineConfig
 from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
 from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
-from .generate.prefix_cache import PrefixCache
+from .generate.prompt_cache import PromptCache
 from .generate.grammar import GrammarMatcher
 from .generate.sampling import Sampler, SamplingParams, TokenLogprob
 from .interrupts import finish_despite_interrupts, sigint_guarded
@@ -62,8 +62,9 @@ class Engine:
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
         self.threads: ThreadTuner | None = None  # the compute thread count (Engine.open sets it: config.threads)
-        self.reuse_prefix = True  # keep the last sequence's cache for a prompt that extends it (prefix_cache.py)
-        self._prefix = PrefixCache(lambda: self.model.new_cache(self.model.max_context))
+        self.reuse_prefix = True  # reuse cached prefixes: the last sequence's, and saved ones (prompt_cache.py)
+        # saved prefixes within the bytes the placement charged the host tier for them (--cache-ram)
+        self._prefix = PromptCache(self.model, sum(t.prompt_cache_bytes for t in parts.store.placement.tiers))
         # an engine dropped without close() still joins its reader threads and closes its descriptors
         self._finalizer = weakref.finalize(self, close_parts, self.store, self.draft)
 
@@ -74,7 +75,7 @@ class Engine:
         """Open a Hugging Face folder within a memory budget: `config` (an EngineConfig: every option, its
         default and what it means), or its keyword form (EngineConfig.from_keywords: budget, device, dtype,
         max_context, policy, direct_io, prefetch, trace, allow_cast, progress, read_fn, stall_timeout, spec,
-        spec_depth, spec_width, draft_model, draft_budget, host_compute, prefill_chunk, threads), e.g.
+        spec_depth, spec_width, draft_model, draft_budget, host_compute, prefill_chunk, threads, cache_ram), e.g.
         Engine.open(path, budget=Budget(ram="25%"), spec="auto"). Planning (and its BudgetError) happens before
         any weight is read. The thread count (runtime/threads.py) is set once the placement is known."""
         if config is None:
@@ -95,6 +96,11 @@ class Engine:
     @property
     def placement(self) -> Placement:
         return self.store.placement
+
+    @property
+    def prompt_cache(self) -> PromptCache:
+        """The cached prefixes requests reuse (snapshot(): entries, bytes, hits and reused tokens)."""
+        return self._prefix
 
     def close(self) -> None:
         """Idempotent: joins the reader threads and frees every slot. Called from the thread that is iterating
@@ -184,22 +190,25 @@ class Engine:
             if self.threads is not None:
                 self.threads.enter()
             before = self.snapshot()
-            # plain decoding reuses the last sequence's cache where the prompt extends it; drafters keep their own
-            # state (a draft model's cache, MTP layers), so a speculative request starts fresh
+            # plain decoding reuses the longest cached prefix of the prompt; drafters keep their own state (a draft
+            # model's cache, MTP layers), so a speculative request starts fresh
             reuse = mode == "off" and self.reuse_prefix
+            lease = None
             if reuse:
-                cache, reused = self._prefix.take(ids, len(ids) + params.max_new_tokens)
+                with sigint_guarded(), out_of_memory_as_error("request"):  # it may forward a shared prefix
+                    lease = self._prefix.take(ids, len(ids) + params.max_new_tokens)
+                cache, reused, start = lease.cache, lease.reused, lease.start
             else:
-                self._prefix.clear()
+                self._prefix.set_aside(save=self.reuse_prefix)
                 cache = self.model.new_cache(min(len(ids) + params.max_new_tokens + SPEC_ROOM, self.model.max_context))
-                reused = 0
+                reused = start = 0
             spec_stats = SpecStats()
             draft = self.draft
             sampler = Sampler(params, constraint=constraint)
             stepper = make_stepper(self.model, cache, sampler, mode, depth=depth, width=width, draft=draft,
                                    store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
                                    draft_tokenizer=draft.tokenizer if draft is not None else None)
-            events = drive(stepper, ids[reused:], GenerationState(params, self.tokenizer))
+            events = drive(stepper, ids[start:], GenerationState(params, self.tokenizer))
             decoding = None  # the store's counters when the prefill's token came out
             while True:
                 # out of memory in the MTP / draft forwards too: only this request fails
@@ -211,6 +220,9 @@ class Engine:
                 if event is None:
                     break
                 if isinstance(event, FinishEvent):
+                    if lease is not None:  # a shared prefix forwarded on its own is part of the prefill
+                        event.prefill_s += lease.prefill_s
+                        event.prefill_tokens += start - reused
                     event.stats = {**self.stats(event, before, decoding), **_spec_summary(mode, spec_stats, event),
                                    "prompt_tokens": len(ids), "reused_prompt_tokens": reused,
                                    "prefilled_tokens": len(ids) - reused}

@@ -112,7 +112,7 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     def plan(ck: ModelCheckpoint) -> tuple[Placement, bool]:
         ck = restrict(ck, stage)
         return plan_for(ck, resolved, device, _kv_bytes(ck, itemsize, context, config.kv_dtype, stage),
-                        config.direct_io, room)
+                        config.direct_io, room, cache_ram=config.cache_ram)
 
     placement, use_direct = plan(checkpoint)
     last = stage is None or stage.last

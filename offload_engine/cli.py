@@ -21,40 +21,40 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any, Sequence
 
-RUN_EXAMPLES = """examples:
-  offload-engine run --prompt "def fibonacci(n):"
-  offload-engine run --model ~/models/Qwen3-30B-A3B --ram 48GiB --prompt "Hello" --max-new-tokens 64 --stats
-  offload-engine run --model DIR --temperature 0.7 --top-p 0.9 --seed 1 --json
-  offload-engine run --model ~/models/DeepSeek-V3 --vram 24GiB --ram 200GiB --spec mtp --prompt "..."
-  offload-engine run --model DIR --spec draft --draft-model ~/models/Qwen3-0.6B --draft-ram 2GiB --prompt "..."
-
-speculative decoding (--spec): output is identical to plain decoding (greedy) or has the same distribution
-(sampling). auto lets a cost model pick the drafter, the draft depth and width each step from the measured
-acceptance and the bytes of experts a verification pass would read, and skips drafting when it would lose.
-"""
-INSPECT_EXAMPLES = """examples:
-  offload-engine inspect ~/models/Qwen3-30B-A3B
-  offload-engine inspect DIR --json
-"""
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    """The budget and engine flags `run` and `serve` share (engine_config reads them)."""
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The budget and engine flags `run` and `serve` share (engine_config reads them): the common ones first, the
+    expert ones under headings (argparse prints groups in the order they are made, after the parser's own)."""
     from .config import DTYPES  # imports torch
 
+    p: Any = parser
+    p.add_argument("--ram", metavar="SIZE", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model "
+                                                 "(across ranks: of each rank's layers; A,B,..: one per rank)")
+    p.add_argument("--vram", metavar="SIZE", help="device memory budget, same forms as --ram")
+    p.add_argument("--context", type=int, metavar="N",
+                   help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT}, at most the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: bfloat16 on CUDA, and on a CPU for a "
                    "bfloat16 checkpoint where the CPU has native bf16; else float32)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--ram", help="host RAM budget: 48GiB, 512MiB, 1.5GB or 25%% of the model (across ranks: of "
-                                 "each rank's layers; A,B,..: one per rank)")
-    p.add_argument("--vram", help="device memory budget, same forms as --ram")
-    p.add_argument("--context", type=int,
-                     help=f"KV cache positions reserved in the budget (default {DEFAULT_CONTEXT})")
+    p.add_argument("--spec", default="off", choices=SPEC_MODES,
+                   help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
+                        "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
+                        "restricted to its resident experts)")
+    spec = parser.add_argument_group("speculative decoding (expert)")
+    spec.add_argument("--spec-depth", type=int, metavar="N", help="draft tokens per step (default: chosen each step)")
+    spec.add_argument("--spec-width", type=int, metavar="N",
+                      help="draft candidates per depth, a tree (default: chosen each step)")
+    spec.add_argument("--draft-model", metavar="DIR",
+                      help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
+    spec.add_argument("--draft-ram", metavar="SIZE", help="host RAM budget of the draft model, same forms as --ram")
+    spec.add_argument("--draft-vram", metavar="SIZE",
+                      help="device memory budget of the draft model, same forms as --ram")
+    p = parser.add_argument_group("memory, I/O and kernels (expert)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                      help=f"prompt tokens per forward (default {PREFILL_CHUNK}): larger reads each expert a long "
                           "prompt misses fewer times and needs more activation memory (plan --prefill-chunk)")
@@ -71,6 +71,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache storage: auto (the compute dtype), bf16, or fp8 / int8 (about half of bf16's bytes "
                         "per position, a quarter of fp32's; README: --kv-dtype)")
+    p.add_argument("--threads", default="auto", metavar="N|auto",
+                     help="torch intra-op threads; auto (default): at most torch's default, one core fewer while "
+                          "weights stream, as many as other processes leave idle, re-measured while decoding "
+                          "(--stats shows the count that ran)")
+    p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                     help="fail a request when no checkpoint read makes progress for this long (default 60)")
+    p = parser.add_argument_group("expert prefetch (expert)")
     p.add_argument("--prefetch", default="adaptive", choices=["adaptive", "on", "off"],
                      help="speculative expert prefetch; adaptive (default): only while it measurably pays")
     p.add_argument("--prefetch-depth", type=int, default=1, metavar="N", help="MoE layers predicted ahead")
@@ -83,72 +90,64 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                           "keeps only while it pays)")
     p.add_argument("--trace", metavar="FILE",
                      help="routing counts of earlier runs (tools/trace_experts.py) seeding the prefetch's prior")
-    p.add_argument("--spec", default="off", choices=SPEC_MODES,
-                     help="speculative decoding: off (default); auto (cost model picks each step); ngram (prompt "
-                          "lookup); mtp (the checkpoint's MTP layers); draft (--draft-model); self (the model "
-                          "restricted to its resident experts)")
-    p.add_argument("--spec-depth", type=int, help="draft tokens per step (default: chosen each step)")
-    p.add_argument("--spec-width", type=int, help="draft candidates per depth, a tree (default: chosen each step)")
-    p.add_argument("--draft-model", help="a smaller checkpoint with the same tokenizer, for --spec draft|auto")
-    p.add_argument("--draft-ram", help="host RAM budget of the draft model, same forms as --ram")
-    p.add_argument("--draft-vram", help="device memory budget of the draft model, same forms as --ram")
-    p.add_argument("--threads", default="auto", metavar="N|auto",
-                     help="torch intra-op threads; auto (default): at most torch's default, one core fewer while "
-                          "weights stream, as many as other processes leave idle, re-measured while decoding "
-                          "(--stats shows the count that ran)")
-    p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
-                     help="fail a request when no checkpoint read makes progress for this long (default 60)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     import argparse
 
+    from .cli_front import INSPECT_EXAMPLES, RUN_EXAMPLES, FrontParser, add_model_arguments, version
     from .planner.commands import add_plan_parser, add_probe_parser  # these import torch
     from .quantize.command import add_quantize_parser
     from .server.command import SERVE_EXAMPLES, add_serve_flags
 
-    parser = argparse.ArgumentParser(prog="offload-engine",
-                                     description="Run MoE and dense LLMs far larger than device memory.")
+    parser = FrontParser(prog="offload-engine", description="Run MoE and dense LLMs far larger than device memory.")
+    parser.add_argument("--version", action="version", version=f"offload-engine {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate text", epilog=RUN_EXAMPLES,
+                         usage="offload-engine run [MODEL | --model DIR] --prompt TEXT [options]",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--model", help="Hugging Face folder (config.json + *.safetensors); default: the bundled model")
-    run.add_argument("--prompt", required=True, help="prompt text")
+    add_model_arguments(run, "Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+    run.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text; - reads it from stdin")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--min-p", type=float, default=0.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    run.add_argument("--grammar", metavar="FILE", help="a Lark grammar file the output must match")
-    run.add_argument("--json-schema", metavar="FILE|JSON", help="a JSON schema (a file, or inline JSON) the output "
-                                                               "must match (compact JSON)")
-    _engine_flags(run)
-    run.add_argument("--show-plan", action="store_true", help="print the placement before generating")
-    run.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
+    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
+                                                                               "(default 64)")
+    run.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off (default)")
+    run.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off (default)")
+    run.add_argument("--min-p", type=float, default=0.0, metavar="P", help="0 = off (default)")
+    run.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: random)")
+    run.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     run.add_argument("--stats", action="store_true", help="print a one-line summary after generation")
-    run.add_argument("--devices", metavar="A,B,...",
-                     help="split the layers over one rank per device (cpu,cpu or cuda:0,cuda:1), started here; under "
-                          "torchrun each rank takes its own (docs/SCALE.md)")
-    run.add_argument("--split", metavar="A:B,C:D,..",
-                     help="the layers of each pipeline stage (stage 0 on rank 1, the last on rank 0), e.g. what "
-                          "`plan --ranks` prints; default: alike ranks, balanced by bytes read per token")
     _common(run)
+    _engine_flags(run)
+    out = run.add_argument_group("structured output")
+    out.add_argument("--grammar", metavar="FILE", help="a Lark grammar file the output must match")
+    out.add_argument("--json-schema", metavar="FILE|JSON", help="a JSON schema (a file, or inline JSON) the output "
+                                                               "must match (compact JSON)")
+    ranks = run.add_argument_group("several devices (docs/SCALE.md)")
+    ranks.add_argument("--devices", metavar="A,B,...",
+                       help="split the layers over one rank per device (cpu,cpu or cuda:0,cuda:1), started here; "
+                            "under torchrun each rank takes its own")
+    ranks.add_argument("--split", metavar="A:B,C:D,..",
+                       help="the layers of each pipeline stage (stage 0 on rank 1, the last on rank 0), e.g. what "
+                            "`plan --ranks` prints; default: alike ranks, balanced by bytes read per token")
+    check = run.add_argument_group("diagnostics")
+    check.add_argument("--show-plan", action="store_true", help="print the placement before generating")
+    check.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
     run.set_defaults(func=cmd_run)
 
     ins = sub.add_parser("inspect", help="describe a checkpoint without loading it", epilog=INSPECT_EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    ins.add_argument("model", help="Hugging Face folder")
+    add_model_arguments(ins, "Hugging Face folder or a .gguf file")
     ins.add_argument("--json", action="store_true")
     _common(ins)
     ins.set_defaults(func=cmd_inspect)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server and a chat page",
+                           usage="offload-engine serve [MODEL | --model DIR] [options]",
                            epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--model", help="Hugging Face folder; default: the bundled model")
+    add_model_arguments(serve, "Hugging Face folder or a .gguf file")
     _engine_flags(serve)
     add_serve_flags(serve)
     serve.add_argument("--show-plan", action="store_true", help="print the placement before serving")
@@ -203,7 +202,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         prefetch=prefetch, trace=args.trace, allow_cast=args.allow_cast,
                         progress=_progress(args), stall_timeout=args.stall_timeout, speculative=speculative,
                         host_compute=args.host_compute, prefill_chunk=args.prefill_chunk, kernels=args.kernels,
-                        kv_dtype=args.kv_dtype, threads=args.threads)
+                        kv_dtype=args.kv_dtype, threads=args.threads,
+                        cache_ram=getattr(args, "cache_ram", 0))  # serve --cache-ram
 
 
 def _check_threads(threads: str) -> None:
@@ -215,10 +215,13 @@ def _check_threads(threads: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .api import Engine
+    from .cli_front import check_context, read_prompt
     from .defaults import default_model_path
 
     _check_threads(args.threads)
     model = args.model or default_model_path()
+    read_prompt(args)
+    check_context(model, args.context)
     ranked = args.devices or _started_as_rank()  # pipeline ranks: rank 0 generates and prints, the others serve it
     if ranked:
         from .distributed.command import run_ranked, this_ranks_share
@@ -247,6 +250,7 @@ def _started_as_rank() -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import Engine
+    from .cli_front import check_context
     from .defaults import default_model_path
     from .server.command import check_serve_flags, serve
 
@@ -257,6 +261,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("serve runs in one process: the layers split across ranks (torchrun, --devices) is "
                           "available to `run` only")
     check_serve_flags(args)  # before loading: a refused bind costs no load
+    check_context(args.model or default_model_path(), args.context)
     engine = Engine.open(args.model or default_model_path(), engine_config(args))
     try:
         if args.show_plan:
@@ -269,13 +274,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _generate(engine: Any, args: argparse.Namespace) -> int:
     import json
 
+    from .cli_front import grammar_of
     from .generate.decoder import FinishEvent
 
     if args.show_plan:
         print(engine.placement.describe(), file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
-                    grammar=_grammar(args))
+                    grammar=grammar_of(args))
     finish = None
     # --json holds the text back until the end: a progress bar on stderr (terminals only) shows it is working
     bar = _token_bar(args.max_new_tokens) if args.json and _bars(args) else None
@@ -299,29 +305,6 @@ def _generate(engine: Any, args: argparse.Namespace) -> int:
         if args.stats:
             print(format_stats(stats), file=sys.stderr)
     return 0
-
-
-def _grammar(args: argparse.Namespace) -> Any:
-    """--grammar FILE (Lark) or --json-schema FILE|JSON as a Grammar; None without either."""
-    from pathlib import Path
-
-    from .errors import ConfigError
-    from .generate.grammar import Grammar
-
-    if args.grammar is not None and args.json_schema is not None:
-        raise ConfigError("--grammar and --json-schema: give one of them")
-    if args.grammar is not None:
-        if not Path(args.grammar).is_file():
-            raise ConfigError(f"--grammar {args.grammar}: no such file (a Lark grammar, e.g. start: \"yes\" | \"no\")")
-        return Grammar.lark(Path(args.grammar).read_text(encoding="utf-8"), name=f"--grammar {args.grammar}")
-    if args.json_schema is not None:
-        text = args.json_schema
-        if not text.lstrip().startswith("{"):
-            if not Path(text).is_file():
-                raise ConfigError(f"--json-schema {text}: no such file, and not an inline JSON object")
-            text = Path(text).read_text(encoding="utf-8")
-        return Grammar.json_schema(text, name=f"--json-schema {args.json_schema}")
-    return None
 
 
 def _token_bar(total: int):
@@ -406,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 guard = SafeInterrupts()
             args = build_parser().parse_args(argv)
             args.argv = list(sys.argv[1:] if argv is None else argv)  # what --devices starts each rank with
+            from .cli_front import choose_model
+
+            choose_model(args)  # --model or MODEL, else the demo model
             for name in COMMAND_IMPORTS.get(args.command, ()):
                 import_module(name)
             if program:

@@ -15,7 +15,7 @@ import torch
 from .constants import PREFILL_CHUNK
 from .errors import ConfigError
 from .modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, KERNEL_MODES
-from .planner.kv import check_kv_dtype
+from .planner.kv import check_cache_ram, check_kv_dtype
 from .planner.placement import ResolvedBudget
 from .prefetch.prefetcher import PrefetchConfig
 from .runtime.threads import check_threads
@@ -158,7 +158,10 @@ class EngineConfig:
     one fp32 scale per position and head (runtime/kv_storage.py), charged to the budget at that size;
     threads: torch's intra-op threads, applied by Engine.open: an int, or "auto" (runtime/threads.py: within
     torch's count and the usable cores, one fewer while weights stream, as many as the other processes leave
-    idle, re-measured while decoding); the count that ran is in the stats (`threads`)."""
+    idle, re-measured while decoding); the count that ran is in the stats (`threads`);
+    cache_ram: host bytes for saved prompt prefixes (generate/prompt_cache.py; `serve --cache-ram`): a size as for
+    the budget, 0 (default: only the last sequence's cache is reused) or "auto" (planner.kv.prompt_cache_bytes),
+    charged to the host tier."""
 
     budget: Budget = field(default_factory=Budget)
     device: str | torch.device | None = None
@@ -180,6 +183,7 @@ class EngineConfig:
     kernels: str = "auto"
     kv_dtype: str = "auto"
     threads: int | str = "auto"
+    cache_ram: int | str = 0
 
     def __post_init__(self):
         _check_budget(self.budget, "budget")
@@ -198,6 +202,7 @@ class EngineConfig:
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         check_kv_dtype(self.kv_dtype)
+        check_cache_ram(self.cache_ram)
         object.__setattr__(self, "threads", check_threads(self.threads))  # "4" (a flag's text) -> 4
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"--direct-io must be auto, on or off, got {self.direct_io!r}")

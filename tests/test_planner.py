@@ -408,7 +408,7 @@ def test_what_ifs_find_a_doubling(qwen):
     p = plan(qwen, load_profile("rtx4070-12gb"), PlanOptions(vram=10 << 30, ram=24 << 30))
     ifs = what_ifs(p)
     assert any(w.factor and w.factor >= 2 for w in ifs)
-    assert any(w.change.startswith("RAM") for w in ifs) and any("int4 experts" in w.change for w in ifs)
+    assert any(w.change.startswith("--ram") for w in ifs) and any(w.change.startswith("--weights int4") for w in ifs)
 
 
 def test_memory_table_adds_up(qwen):

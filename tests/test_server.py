@@ -131,6 +131,10 @@ MALFORMED = [
     (b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}', 404),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400),
     (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": 1}', 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": {"type": "function"}}', 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+     b'"parameters": {"$ref": "#"}}}], "tool_choice": "required"}', 400),
+    (b'{"messages": [{"role": "tool", "content": "x"}]}', 400),
     (b'{"prompt": 5}', 400, "/v1/completions"), (b'{"prompt": [-1, 2]}', 400, "/v1/completions"),
     (b'{"prompt": "x" }' + b" " * (10 * 1024 * 1024), 413, "/v1/completions"),
 ]

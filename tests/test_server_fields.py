@@ -122,7 +122,13 @@ def differs_from_greedy_and_matches_engine(engine, chat: bool, n: int = N, **sam
 # ---------------------------------------------------------------------------------------------- the tables
 # field -> [(value, extra arguments, check)]: check is a function of the response (honoured) or "refused"
 REFUSED = "refused"
-TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
+                                                                       "additionalProperties": False}}}]
+ONE_CALL = {"tools": TOOL, "parallel_tool_calls": False, "max_tokens": 40}  # tool calls: tests/test_tool_calls.py
+
+
+def calls_f(r: Any) -> bool:
+    return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == [("f", "{}")]
 
 
 def chat_cases(engine) -> dict[str, list[tuple[Any, dict, Any]]]:
@@ -166,9 +172,12 @@ def chat_cases(engine) -> dict[str, list[tuple[Any, dict, Any]]]:
         "audio": [({"voice": "alloy", "format": "wav"}, {}, REFUSED)],
         "function_call": [("none", {}, neutral), ("auto", {}, REFUSED)],
         "functions": [([TOOL[0]["function"]], {}, REFUSED)],
-        "tools": [(TOOL, {}, REFUSED)],
-        "tool_choice": [("none", {}, neutral), ("required", {}, REFUSED)],
-        "parallel_tool_calls": [(True, {}, REFUSED)],
+        "tools": [([], {}, neutral), (TOOL, {**ONE_CALL, "tool_choice": "required"}, calls_f),
+                  ([{"type": "retrieval"}], {}, REFUSED)],
+        "tool_choice": [("none", {}, neutral), ("required", ONE_CALL, calls_f), ("required", {}, REFUSED),
+                        ({"type": "function", "function": {"name": "g"}}, {"tools": TOOL}, REFUSED)],
+        "parallel_tool_calls": [(False, {**ONE_CALL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                 calls_f), (True, {}, REFUSED)],
         "moderation": [({"model": "omni-moderation-latest"}, {}, REFUSED)],
         "prediction": [({"type": "content", "content": "def f"}, {}, REFUSED)],
         "prompt_cache_options": [({"ttl": "30m"}, {}, REFUSED)],
@@ -322,6 +331,11 @@ BAD = [  # malformed values of the new fields: a clear 400 naming the field, and
     ("/v1/chat/completions", {"frequency_penalty": "x"}, "frequency_penalty"),
     ("/v1/chat/completions", {"response_format": "json"}, "response_format"),
     ("/v1/chat/completions", {"tools": "x"}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "messages.0.tool_call_id"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "x": 1}, "stream": True},
      "stream_options.x"),
     ("/v1/completions", {"echo": "yes"}, "echo"),

@@ -20,7 +20,7 @@ STAGES = {
     "runtime": 4,
     "generate": 5, "quantize": 5, "speculative": 6,
     "config": 7, "assemble": 7, "api": 8, "distributed": 8,
-    "cli": 9, "server": 9, "__init__": 10, "__main__": 10,
+    "cli": 9, "cli_front": 9, "server": 9, "__init__": 10, "__main__": 10,
 }
 
 

@@ -3,29 +3,34 @@ bench JSON and the SCALE.md table. Each command parses, calls the planner, and p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..constants import DEFAULT_CONTEXT, PREFILL_CHUNK
-from ..errors import BudgetError, ConfigError
+from ..errors import ConfigError, PlanError
 from ..modes import DIRECT_IO_MODES, KV_DTYPES, PLAN_SPEC_MODES
-from ..units import format_bytes, parse_bytes
+from ..units import parse_bytes
 from . import costs
 from .formats import FORMAT_BITS, WeightFormat, unit_bytes
-from .hardware import HardwareProfile, load_profile, probe, save_profile
+from .hardware import (THIS_MACHINE, HardwareProfile, load_profile, probe, ram_available, save_profile,
+                       this_machine)
 from .plan import ModelShape, Plan, PlanOptions, load_model_spec, model_shape, plan
-from .report import WhatIf, plan_json, plan_text
+from .report import plan_json, plan_text
 from .split_report import add_split_arguments, cmd_split
+from .what_ifs import what_ifs  # noqa: F401 (tools and tests import it from here)
 
-DEFAULT_PROFILE = "rtx4070-12gb"
-PLAN_EXAMPLES = """examples:
-  offload-engine plan --model Qwen3-30B-A3B --vram 12GiB --ram 64GiB --context 8192
+DOES_NOT_FIT = PlanError.exit_code  # `plan`'s status when the plan needs more memory than the hardware has
+PLAN_EXAMPLES = f"""examples:
+  offload-engine plan Qwen3-30B-A3B                          # on this machine (cores, RAM, GPU seen, not measured)
+  offload-engine plan --model Qwen3-30B-A3B --ram-total 64GiB --context 8192
+  offload-engine plan --model Qwen3-30B-A3B --hardware rtx4070-12gb --vram 10GiB --ram 48GiB
   offload-engine plan --model DeepSeek-V3 --hardware rtx4090-24gb --weights int4 --spec mtp --json
   offload-engine plan --model ~/models/Qwen3-30B-A3B --probe
-models: the names in configs/models/ or a folder with config.json; hardware: configs/hardware/ or a JSON file
+models: the names in configs/models/ or a folder with config.json (default: the bundled model); hardware:
+configs/hardware/ or a JSON file (default: this machine). Exit status: 0 the plan fits, {DOES_NOT_FIT} it does not
+(the report still printed, the reason on stderr), 2 bad input.
 """
 PROBE_EXAMPLES = """examples:
   offload-engine probe --out configs/hardware/this-machine.json
@@ -39,15 +44,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model", required=model_required, help="configs/models NAME, a folder with config.json, or a file")
+    p.add_argument("--model", required=model_required, help="configs/models NAME, a folder with config.json, or a file"
+                   + ("" if model_required else " (default: the bundled model)"))
     p.add_argument("--vram", help="device budget: 12GiB, 11000MB, or 10%% of the model's bytes (default: the "
                                   "profile's VRAM less a 0.75 GiB reserve and activations)")
     p.add_argument("--ram", help="host RAM budget, same forms (default: the profile's RAM less 2 GiB)")
     hw = p.add_mutually_exclusive_group()
-    hw.add_argument("--hardware", help=f"profile NAME in configs/hardware or a JSON file (default {DEFAULT_PROFILE})")
+    hw.add_argument("--hardware", help="profile NAME in configs/hardware or a JSON file (default: this machine, "
+                                       "its cores, RAM and GPU as seen now, its rates estimated)")
     hw.add_argument("--probe", action="store_true", help="measure this machine (quick probe) and plan for it")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
-                   help=f"KV cache positions reserved (default {DEFAULT_CONTEXT})")
+    p.add_argument("--ram-total", metavar="SIZE", help="the machine's RAM (e.g. 64GiB): plan for another amount "
+                                                       "than the hardware's (this machine's, or the profile's)")
+    p.add_argument("--context", type=int,
+                   help=f"KV cache positions reserved (default: as `run`, {DEFAULT_CONTEXT} or the model's "
+                        f"max_position_embeddings if fewer)")
     p.add_argument("--weights", choices=sorted(FORMAT_BITS),
                    help="weight format (default: the checkpoint's own, read from its quantization_config); fp8, "
                         "int8, int4: the units of a checkpoint in fp8 128x128 blocks, compressed-tensors int8 per "
@@ -55,6 +65,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
                         "the embedding, head, norms and routers kept as stored")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="as `run`: the KV cache's storage, charged at its size (data + fp8/int8 scales)")
+    p.add_argument("--cache-ram", default="0", metavar="SIZE|auto",
+                   help="as `serve`: host RAM for saved prompt prefixes, charged to the RAM budget (default 0: none)")
     p.add_argument("--spec", default="off", choices=PLAN_SPEC_MODES, help="speculative decoding")
     p.add_argument("--accept", type=float, help="draft acceptance per position (default: mtp 0.85, ngram 0.35)")
     p.add_argument("--drafts", type=int, help="draft tokens per verify step (default: mtp layers, ngram 3)")
@@ -80,7 +92,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, model_required: bool = True) 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan placement and predict decode speed from config.json alone",
                               epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_plan_arguments(p)
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="as --model (either form)")
+    add_plan_arguments(p, model_required=False)  # the demo model by default (cli_front.choose_model)
     add_split_arguments(p)
     _common(p)
     p.set_defaults(func=cmd_plan)
@@ -104,12 +117,21 @@ def add_probe_parser(subparsers) -> argparse.ArgumentParser:
 
 # ---- plan ----------------------------------------------------------------------------------------------------
 def resolve_profile(args: argparse.Namespace) -> HardwareProfile:
-    """--probe: a quick probe, reading back a scratch file in the model's folder when it is one (its disk)."""
+    """--hardware NAME|FILE; --probe: a quick probe, reading back a scratch file in the model's folder when it is
+    one (its disk); neither: this machine as seen (hardware.this_machine). --ram-total replaces its RAM."""
     if getattr(args, "probe", False):
         folder = Path(args.model or ".").expanduser()
         disk = folder if folder.is_dir() else folder.parent if folder.is_file() else Path(".")  # a .gguf: its disk
-        return probe(disk, read_bytes=256 << 20, quick=True)
-    return load_profile(args.hardware or DEFAULT_PROFILE)
+        profile = probe(disk, read_bytes=256 << 20, quick=True)
+    else:
+        profile = load_profile(args.hardware) if args.hardware else this_machine()
+    total = _size(getattr(args, "ram_total", None), "--ram-total", 0)
+    if total is not None:
+        if total <= 0:
+            raise ConfigError(f"--ram-total must be a positive size, got {args.ram_total!r}")
+        profile = profile.with_changes(ram_bytes=total, description=f"{profile.description}; RAM set by "
+                                                                    f"--ram-total {args.ram_total}")
+    return profile
 
 
 def _size(value: str | None, flag: str, total: int) -> int | None:
@@ -130,30 +152,62 @@ def options_from_args(args: argparse.Namespace, shape: ModelShape) -> PlanOption
             trace = json.loads(Path(args.trace).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"--trace {args.trace}: {e}") from None
-    if args.context < 1:
+    context = args.context if args.context is not None else min(shape.spec.max_position_embeddings, DEFAULT_CONTEXT)
+    if context < 1:
         raise ConfigError(f"--context must be >= 1, got {args.context}")
     if args.prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     return PlanOptions(vram=_size(args.vram, "--vram", total), ram=_size(args.ram, "--ram", total),
-                       context=args.context, weights=args.weights, spec=args.spec, recall=args.recall,
+                       context=context, weights=args.weights, spec=args.spec, recall=args.recall,
                        alpha=args.alpha, host_compute=args.host_compute, position=args.position, trace=trace,
                        direct_io=args.direct_io, accept=args.accept, drafts=args.drafts,
                        overhead_scale=args.overhead_scale, prefill_chunk=args.prefill_chunk,
-                       kv_dtype=args.kv_dtype)
+                       kv_dtype=args.kv_dtype, cache_ram=getattr(args, "cache_ram", 0))
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, list]:
     shape = model_shape(load_model_spec(args.model))
     profile = resolve_profile(args)
     p = plan(shape, profile, options_from_args(args, shape))
+    limit = context_limit(shape.spec)
+    if args.context is not None and args.context > limit:
+        p.warnings.append(f"--context {args.context} exceeds the {limit} positions the model supports (`run` "
+                          f"refuses it)")
+    free = ram_available()
+    host = p.placement.tiers[-1]
+    if (profile.name == THIS_MACHINE and args.ram is None and getattr(args, "ram_total", None) is None
+            and host.budget is not None and host.budget > free):
+        p.warnings.append(f"only {_gib(free)} of this machine's {_gib(profile.ram_bytes)} of RAM are available now; "
+                          f"`run` without --ram fits what is available, so it will cache less than this plan")
     return p, what_ifs(p)
+
+
+def context_limit(spec: Any) -> int:
+    """The positions a model supports: max_position_embeddings, or the original length times the rope scaling's
+    factor where a scaling stretches it further (YaRN, llama3, longrope, linear, dynamic)."""
+    limit = spec.max_position_embeddings
+    params = spec.rope.params
+    if spec.rope.rope_type != "default" and isinstance(params.get("factor"), (int, float)):
+        original = params.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(original * params["factor"]))
+    return limit
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if getattr(args, "ranks", None):  # the layers split over pipeline ranks
-        return cmd_split(args, DEFAULT_PROFILE)
+        return cmd_split(args, args.hardware or resolve_profile(args))
     p, ifs = build_plan(args)
     print(json.dumps(plan_json(p, ifs), indent=2) if args.json else plan_text(p, ifs))
+    misfit = [m for m, (need, have) in p.fit.items() if need > have]
+    if misfit:  # the report says why (plan() words it as a warning): repeated on stderr with the status
+        reasons = [next((w for w in p.warnings if w.startswith(f"{m}: ")), f"{m} short") for m in misfit]
+        sys.stdout.flush()
+        print(f"error: the plan does not fit {p.profile.name}: " + "; ".join(reasons), file=sys.stderr)
+        return DOES_NOT_FIT
     return 0
 
 
@@ -171,72 +225,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"profile written: {path}")
     print(json.dumps(profile.to_dict(), indent=2) if args.json else profile.describe())
     return 0
-
-
-# ---- what-ifs: the smallest change that doubles the speed -------------------------------------------------
-BUDGET_STEPS = (1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
-
-
-def what_ifs(base: Plan) -> list[WhatIf]:
-    """The smallest change of each kind that doubles the expected speed (or the best it gets): more RAM, more
-    VRAM (smallest budget found among BUDGET_STEPS multiples), int4 experts, faster links, host compute, a
-    prefetcher."""
-    shape, prof, o = base.shape, base.profile, base.options
-    out: list[WhatIf] = []
-
-    def attempt(change: str, profile: HardwareProfile = prof, note: str = "", **opts: Any) -> WhatIf:
-        try:
-            p = plan(shape, profile, dataclasses.replace(o, **opts))
-        except (BudgetError, ConfigError) as e:
-            return WhatIf(change, None, None, note=f"infeasible: {e}")
-        return WhatIf(change, p.expected, p.expected / base.expected, p.steps["expected"].bottleneck, note)
-
-    host = base.placement.tiers[-1]
-    needed = sum(base.unit_bytes.values()) + base.kv_bytes  # every unit resident, nothing streamed
-    for tier, label in (("host", "RAM"), ("device", "VRAM")):
-        t = next((x for x in base.placement.tiers if x.name == tier), None)
-        if t is None or t.budget is None or (tier == "device" and not prof.has_gpu):
-            continue
-        if all(k in t.pinned for k in base.placement.sizes) or (tier == "host" and all(
-                base.placement.home(k) != "disk" for k in base.placement.sizes)):
-            continue  # this tier already holds everything it could
-        tried = None
-        for step in BUDGET_STEPS:
-            new = int(t.budget * step)
-            extra = base.reserve[tier] + base.activations.get(tier, 0)  # a machine with the memory to match
-            physical = {"ram_bytes": max(prof.ram_bytes, new + extra)} if tier == "host" else \
-                {"vram_bytes": max(prof.vram_bytes, new + extra)}
-            tried = attempt(f"{label} {format_bytes(t.budget)} -> {format_bytes(new)}", prof.with_changes(**physical),
-                            **({"ram": new, "vram": base.placement.compute.budget if base.separate_host else None}
-                               if tier == "host" else {"vram": new, "ram": host.budget}))
-            if (tried.factor and tried.factor >= 2) or new > needed:
-                break
-        if tried:
-            out.append(tried)
-    if base.fmt.expert_bits > FORMAT_BITS["int4"] and shape.moe_layers:
-        out.append(attempt(f"int4 experts ({FORMAT_BITS['int4']:g} bits/weight)", expert_weights="int4"))
-    if base.fmt.dense_bits > FORMAT_BITS["int4"]:
-        out.append(attempt(f"int4 everywhere ({FORMAT_BITS['int4']:g} bits/weight)", weights="int4"))
-    if prof.has_gpu:
-        out.append(attempt(f"PCIe x2 ({prof.pcie_gbps:g} -> {2 * prof.pcie_gbps:g} GB/s)",
-                           prof.with_changes(pcie_gbps=2 * prof.pcie_gbps)))
-        out.append(attempt("GPU memory bandwidth x2", prof.with_changes(gpu_mem_gbps=2 * prof.gpu_mem_gbps)))
-        if not o.host_compute and shape.moe_layers:
-            out.append(attempt("compute host-resident experts on the CPU", host_compute=True))
-    else:
-        out.append(attempt(f"RAM bandwidth x2 ({prof.cpu_gemv_gbps:g} -> {2 * prof.cpu_gemv_gbps:g} GB/s)",
-                           prof.with_changes(cpu_gemv_gbps=2 * prof.cpu_gemv_gbps, ram_gbps=2 * prof.ram_gbps)))
-    if any(base.placement.home(k) == "disk" for k in base.placement.sizes):
-        out.append(attempt(f"NVMe x2 ({prof.nvme_gbps:g} -> {2 * prof.nvme_gbps:g} GB/s)",
-                           prof.with_changes(nvme_gbps=2 * prof.nvme_gbps)))
-    if o.overhead_scale > 0:
-        out.append(attempt("software overhead / 10 (CUDA graphs, batched expert dispatch)" if prof.has_gpu else
-                           "software overhead / 10 (batched expert dispatch)", overhead_scale=o.overhead_scale / 10))
-        out.append(attempt("no software overhead (the hardware bound)", overhead_scale=0.0,
-                           note="every op and unit dispatch free"))
-    if o.recall < 0.886 and shape.moe_layers:
-        out.append(attempt("prefetcher with recall 0.886 (router lookahead)", recall=0.886))
-    return out
 
 
 # ---- calibration against tools/bench.py ------------------------------------------------------------------------
@@ -369,7 +357,8 @@ SCALE_WEIGHTS = ("bf16", "fp8", "int4")
 
 
 def scale_rows(models: Sequence[str] = SCALE_MODELS, profiles: Sequence[str] = SCALE_PROFILES,
-               weights: Sequence[str] = SCALE_WEIGHTS, context: int = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
+               weights: Sequence[str] = SCALE_WEIGHTS, context: int | None = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
+    context = context or DEFAULT_CONTEXT  # tools/plan.py --scale-table without --context
     rows = []
     for name in models:
         shape = model_shape(load_model_spec(name))

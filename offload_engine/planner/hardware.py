@@ -206,6 +206,68 @@ def ram_total() -> int:
     return total
 
 
+def ram_available() -> int:
+    """Bytes the OS can give a process now without swapping (MemAvailable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share), else the count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+THIS_MACHINE = "this machine"
+# per-core rates for a machine planned without measuring it (`plan` without --hardware): anchored on this project's
+# probe of a 2-vCPU EPYC VM (GEMV 16 GB/s, copy 7 GB/s, fp32 GEMM 67-93 GFLOPS) and capped at a desktop's
+# dual-channel DDR5 (the rtx4090-24gb profile); the disk is assumed a modest SSD. `plan --probe` measures them all.
+_PER_CORE = {"cpu_gemv_gbps": (8.0, 65.0), "ram_gbps": (3.5, 32.0), "cpu_gflops": (40.0, 1000.0)}
+_UNMEASURED_GPU = {"gpu_mem_gbps": 300.0, "gpu_tflops": 30.0, "pcie_gbps": 12.0, "gpu_op_us": 8.0}
+
+
+def this_machine() -> HardwareProfile:
+    """The machine `plan` runs on, from what it can see without measuring (instant, deterministic): its CPU
+    cores, RAM (total, cgroup-limited) and GPU (CUDA: its memory); the rates are per-core estimates, or for a GPU
+    the figures of the shipped profile its name matches (else conservative ones). `probe()` measures instead."""
+    import torch
+
+    cores, total, available = cpu_cores(), ram_total(), ram_available()
+    rates = {k: round(min(per * cores, cap), 1) for k, (per, cap) in _PER_CORE.items()}
+    values: dict[str, Any] = {"vram_bytes": 0, "gpu_mem_gbps": 0.0, "gpu_tflops": 0.0, "pcie_gbps": 0.0}
+    gpu = "no GPU"
+    estimate = f"estimate: {cores} cores x per-core rate (planner/hardware.py _PER_CORE); `plan --probe` measures it"
+    sources = {k: estimate for k in rates}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        match = next((n for n in list_profiles() if n.split("-")[0].removeprefix("rtx") in props.name.lower()), None)
+        known = load_profile(match) if match else None
+        values = {"vram_bytes": int(props.total_memory),
+                  **{k: getattr(known, k) if known else v for k, v in _UNMEASURED_GPU.items()}}
+        gpu = f"GPU {props.name} {format_bytes(props.total_memory)}"
+        sources.update({k: f"the {match} profile's figure (the GPU's name matches)" if known else
+                        "estimate for an unknown GPU; `plan --probe` measures it" for k in _UNMEASURED_GPU})
+    sources.update(vram_bytes="torch.cuda device properties" if values["vram_bytes"] else "no CUDA device",
+                   ram_bytes="psutil total, limited by the cgroup's memory.max",
+                   nvme_gbps="assumed 1 GB/s (a modest SSD); `plan --probe` measures it")
+    description = (f"{THIS_MACHINE} ({platform.node() or 'unnamed'}): {_cpu_model() or platform.machine()}, "
+                   f"{cores} CPU cores, RAM {format_bytes(total)} ({format_bytes(available)} available now), {gpu}; "
+                   f"rates estimated, not measured (--probe measures them)")
+    return HardwareProfile(name=THIS_MACHINE, description=description, ram_bytes=total, nvme_gbps=1.0,
+                           cpu_op_us=2.0, sources=sources, **rates, **values)
+
+
 def probe(directory: str | os.PathLike = ".", name: str | None = None, read_bytes: int = 1 << 30,
           quick: bool = False) -> HardwareProfile:
     """Measure this machine and return its profile (nothing is written here)."""

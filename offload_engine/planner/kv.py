@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..checkpoint.hf_config import ModelSpec
 from ..errors import ConfigError
 from ..modes import KV_DTYPES
+from ..units import parse_bytes
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + full attention
 
@@ -111,3 +112,29 @@ def kv_copy_bytes(spec: ModelSpec, positions: int, itemsize: int, kv_dtype: str 
         return 0
     widest = spec.get("kv_lora_rank") or spec.num_kv_heads * spec.head_dim
     return positions * (layer_kv_bytes_per_token(spec, itemsize) + (widest * 4 if kv_dtype in QUANTIZED_KV else 0))
+
+
+# serve --cache-ram auto: this share of the host budget for saved prompt prefixes, at most CACHE_RAM_AUTO_MAX (and
+# that much without a host budget): a few conversations' KV without taking much from the weights' cache
+CACHE_RAM_AUTO_SHARE = 32
+CACHE_RAM_AUTO_MAX = 1 << 30
+
+
+def check_cache_ram(value: object) -> None:
+    """The one check of a --cache-ram value: 'auto', 0 (off), or a size as --ram takes it ('2GiB', '5%')."""
+    if value != "auto":
+        prompt_cache_bytes(value, None, 1)
+
+
+def prompt_cache_bytes(value: object, host_budget: int | None, model_bytes: int) -> int:
+    """--cache-ram in bytes: a size ('512MiB', '2GiB', 0: off; a percentage is of the model's bytes, as --ram's),
+    or 'auto': 1/CACHE_RAM_AUTO_SHARE of the host budget, at most CACHE_RAM_AUTO_MAX (that without a budget)."""
+    if value == "auto":
+        return CACHE_RAM_AUTO_MAX if host_budget is None else min(CACHE_RAM_AUTO_MAX,
+                                                                  host_budget // CACHE_RAM_AUTO_SHARE)
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"--cache-ram must be 'auto' or a size like '2GiB' (0: off), got {value!r}")
+    try:
+        return parse_bytes(value, what="--cache-ram", total=model_bytes)
+    except ValueError as e:
+        raise ConfigError(f"{e} (or 'auto'; 0 turns the prompt cache off)") from None

@@ -89,12 +89,14 @@ class TierPlan:
     staging_bytes: int = 0  # O_DIRECT bounce buffers
     staging_slots: dict[str, int] = field(default_factory=dict)  # kind -> slots reserved for reads from below
     row_cache_bytes: int = 0  # rows of a kind read by rows, cached (ROW_CACHE_BYTES)
+    prompt_cache_bytes: int = 0  # saved prompt prefixes' KV (serve --cache-ram; generate/prompt_cache.py)
 
     def slot_bytes(self, sizes: dict[str, KindSize]) -> int:
         return sum(n * sizes[k].slot_bytes for k, n in self.slots.items())
 
     def used(self, sizes: dict[str, KindSize]) -> int:
-        return self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes + self.row_cache_bytes
+        return (self.slot_bytes(sizes) + self.kv_bytes + self.staging_bytes + self.row_cache_bytes
+                + self.prompt_cache_bytes)
 
     def caches(self, kind: str) -> bool:
         """Whether this tier keeps units of `kind` beyond the staging slots reads pass through."""
@@ -160,6 +162,8 @@ class Placement:
             out["staging"] = t.staging_bytes
         if t.row_cache_bytes:
             out["row cache"] = t.row_cache_bytes
+        if t.prompt_cache_bytes:
+            out["prompt cache"] = t.prompt_cache_bytes
         return out
 
     def describe(self) -> str:
@@ -179,6 +183,8 @@ class Placement:
                 lines.append(f"  staging         {format_bytes(t.staging_bytes):>11}")
             if t.row_cache_bytes:
                 lines.append(f"  row cache       {format_bytes(t.row_cache_bytes):>11}")
+            if t.prompt_cache_bytes:
+                lines.append(f"  prompt cache    {format_bytes(t.prompt_cache_bytes):>11}  (--cache-ram)")
         streamed = [k + (" (rows)" if self.by_rows(k) else "") for k in self.sizes if self.home(k) == "disk"]
         lines.append(f"disk: {', '.join(streamed) if streamed else 'nothing streamed'}")
         return "\n".join(lines)
@@ -200,7 +206,7 @@ def bounce_bytes(sizes: Mapping[str, KindSize], budget: int | None = None) -> in
 
 
 def place(units: Mapping[UnitKey, int], *, device_budget: int | None, host_budget: int | None, kv_bytes: int,
-          direct_io: str, gpu: bool) -> tuple[Placement, bool]:
+          direct_io: str, gpu: bool, prompt_cache_bytes: int = 0) -> tuple[Placement, bool]:
     """The placement the store executes, and whether it reads with O_DIRECT: the one decision `plan` predicts
     and Engine.open builds (both call this, so they cannot drift).
 
@@ -208,7 +214,7 @@ def place(units: Mapping[UnitKey, int], *, device_budget: int | None, host_budge
     (VRAM on a GPU, resolved by the caller: a profile's figure or the free memory; on a CPU, a RAM pool set by
     --vram); None without a GPU: one RAM tier. host_budget: the host tier (None: unbounded). gpu: the compute
     tier is a GPU's memory, so disk reads pass through host slots on their way to it. direct_io: auto (on when
-    the weights exceed host_budget), on or off."""
+    the weights exceed host_budget), on or off. prompt_cache_bytes: charged to the host tier (serve --cache-ram)."""
     if direct_io not in DIRECT_IO_MODES:
         raise ConfigError(f"--direct-io must be {', '.join(DIRECT_IO_MODES)}, got {direct_io!r}")
     use_direct = direct_io == "on" or (direct_io == "auto" and host_budget is not None
@@ -220,15 +226,16 @@ def place(units: Mapping[UnitKey, int], *, device_budget: int | None, host_budge
         # GPU reads pass through host slots (the store's read via host): one per reader thread and kind, so a
         # read never finds every host slot of its kind taken
         placement = plan_placement(sizes, device_budget, host_budget, kv_bytes, staging, separate_host=True,
-                                   host_staging=READER_THREADS if gpu else 0)
+                                   host_staging=READER_THREADS if gpu else 0, prompt_cache_bytes=prompt_cache_bytes)
     else:
-        placement = plan_placement(sizes, host_budget, None, kv_bytes, staging, separate_host=False)
+        placement = plan_placement(sizes, host_budget, None, kv_bytes, staging, separate_host=False,
+                                   prompt_cache_bytes=prompt_cache_bytes)
     return placement, use_direct
 
 
 def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_budget: int | None,
                    kv_bytes: int, staging_bytes: int = 0, separate_host: bool = True,
-                   host_staging: int = 0) -> Placement:
+                   host_staging: int = 0, prompt_cache_bytes: int = 0) -> Placement:
     """separate_host=False: one RAM tier (CPU without --vram): compute reads the host tier directly.
     host_staging: host slots reserved per kind (at most its unit count) for reads that pass through the host
     (GPU: constants.READER_THREADS); 0: reads land in compute-tier slots directly (CPU)."""
@@ -238,6 +245,7 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
         tiers.append(TierPlan("host", host_budget, staging_bytes=staging_bytes))
     else:
         compute.staging_bytes = staging_bytes
+    tiers[-1].prompt_cache_bytes = prompt_cache_bytes  # snapshots live in host memory, whatever computes
     placement = Placement(sizes, tiers)
     # The minimum working set: stream slots for every kind on the compute tier (row kinds need none).
     minimum = {k: MIN_STREAM_SLOTS[k] if s.count > 1 else 1 for k, s in sizes.items()
@@ -246,7 +254,8 @@ def plan_placement(sizes: dict[str, KindSize], compute_budget: int | None, host_
     need = compute.used(sizes)
     if compute.budget is not None and need > compute.budget:
         raise BudgetError(compute.name, need, compute.budget, placement.breakdown(compute),
-                          hint="the minimum working set: streaming slots for each unit kind, the KV cache, staging")
+                          hint="the minimum working set: streaming slots for each unit kind, the KV cache, staging, "
+                               "the prompt cache (--cache-ram)")
     if separate_host and host_staging > 0:
         host = tiers[1]
         # row kinds load through the host only when the compute tier will hold them (and so everything)

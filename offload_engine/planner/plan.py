@@ -179,6 +179,7 @@ class PlanOptions:
     overhead_scale: float = 1.0  # multiplies dispatch and bookkeeping costs; 0: the bound the hardware sets
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward (run --prefill-chunk)
     kv_dtype: str = "auto"  # the KV cache's storage (run --kv-dtype; planner/kv.py charges its real size)
+    cache_ram: int | str = 0  # saved prompt prefixes (serve --cache-ram: a size or "auto"), charged to the host tier
 
 
 @dataclass
@@ -255,7 +256,8 @@ def plan(model: ModelSpec | ModelShape, profile: HardwareProfile, options: PlanO
     # a CPU's slots also hold their units' kernel forms (what the engine's slots are sized with); reads move `units`
     slots = units if profile.has_gpu else shape.bytes_of(fmt, use_mtp, itemsize)
     placement, direct = place(slots, device_budget=vram, host_budget=ram, kv_bytes=kv_charge,
-                              direct_io=o.direct_io, gpu=profile.has_gpu)
+                              direct_io=o.direct_io, gpu=profile.has_gpu,
+                              prompt_cache_bytes=kv.prompt_cache_bytes(o.cache_ram, ram, sum(units.values())))
     sizes = placement.sizes
     fit = physical_fit(placement, activations, reserve, profile)
     for memory, (need, have) in fit.items():

@@ -55,7 +55,8 @@ def placement_summary(p: Plan) -> dict[str, Any]:
 def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
     """Per tier, everything charged to it. The engine's ledger (what --vram / --ram budget): `weights` (slots,
     `staging_slots` of them reserved for reads from the tier below), `staging` (O_DIRECT bounce buffers),
-    `kv_cache` and `row_cache` (rows of a kind read by rows), summed in `budget_charged`. Outside the ledger,
+    `kv_cache`, `row_cache` (rows of a kind read by rows) and `prompt_cache` (serve --cache-ram), summed in
+    `budget_charged`. Outside the ledger,
     charged here: `activations` (activation_bytes) and `reserve` (the CUDA context on the device, fixed; the OS
     and process on the host). `total` is all of it; `physical` the profile's memory (None for a CPU's compute
     pool: it shares the RAM, see plan_json's "fit")."""
@@ -68,6 +69,7 @@ def memory_table(p: Plan) -> dict[str, dict[str, int | None]]:
         table[t.name] = {"weights": t.slot_bytes(sizes),
                          "staging_slots": sum(n * sizes[k].slot_bytes for k, n in t.staging_slots.items()),
                          "staging": t.staging_bytes, "kv_cache": t.kv_bytes, "row_cache": t.row_cache_bytes,
+                         "prompt_cache": t.prompt_cache_bytes,
                          "budget_charged": t.used(sizes), "budget": t.budget, "activations": act,
                          "reserve": reserve, "total": t.used(sizes) + act + reserve,
                          "physical": physical if (t.name == "host" or p.profile.has_gpu) else None}
@@ -92,7 +94,8 @@ def plan_json(p: Plan, what_ifs: list[WhatIf] | None = None) -> dict[str, Any]:
         "weights": p.fmt.name, "bytes_total": p.bytes_total, "bytes_by_kind": bytes_by_kind,
         "bytes_mtp": sum(n for k, n in p.unit_bytes.items() if k in p.shape.mtp.units),
         "unit_bytes_by_kind": unit_bytes_by_kind(p.unit_bytes),
-        "hardware": p.profile.name, "context": p.options.context, "kv_dtype": p.options.kv_dtype,
+        "hardware": p.profile.name, "hardware_description": p.profile.description,
+        "context": p.options.context, "kv_dtype": p.options.kv_dtype,
         "kv_bytes_per_position": p.kv_bytes_per_position,
         "budget": {t.name: t.budget for t in p.placement.tiers},
         "direct_io": p.direct_io,
@@ -128,7 +131,8 @@ def _model_name(p: Plan) -> str:
 
 def _tier_json(t) -> dict[str, Any]:
     return {"name": t.name, "budget": t.budget, "pinned": list(t.pinned), "slots": dict(t.slots),
-            "kv_bytes": t.kv_bytes, "staging_bytes": t.staging_bytes, "staging_slots": dict(t.staging_slots)}
+            "kv_bytes": t.kv_bytes, "staging_bytes": t.staging_bytes, "staging_slots": dict(t.staging_slots),
+            "prompt_cache_bytes": t.prompt_cache_bytes}
 
 
 def _locality(p: Plan) -> str:
@@ -156,6 +160,7 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     lines = [f"{j['model']['name']} ({s.model_type}, {p.shape.source} schema) on {p.profile.name}: {budgets}, "
              f"context {p.options.context}, weights {p.fmt.name}, KV {p.options.kv_dtype} "
              f"({_b(p.kv_bytes_per_position)}/position)",
+             f"hardware: {p.profile.describe()}" + (f"\n  {p.profile.description}" if p.profile.description else ""),
              f"parameters: {p.params.total / 1e9:.2f} B total, {p.params.active / 1e9:.2f} B active per token "
              f"({_conventions(p.params)})"
              + (f", MTP {j['params_mtp'] / 1e9:.2f} B" if j["params_mtp"] else "")
@@ -191,6 +196,8 @@ def plan_text(p: Plan, what_ifs: list[WhatIf] | None = None) -> str:
     lines += ["", "memory per tier".ljust(28) + "".join(f"{_tier_label(p, n):>14}" for n in names)]
     rows = (("weights", "weights"), ("  of which staging slots", "staging_slots"), ("staging (O_DIRECT)", "staging"),
             (f"KV cache ({p.options.context} tok)", "kv_cache"), ("row cache", "row_cache"),
+            *((("prompt cache (--cache-ram)", "prompt_cache"),) if any(m["prompt_cache"] for m in mem.values())
+              else ()),
             ("= engine ledger", "budget_charged"),
             ("  within budget", "budget"), ("activations", "activations"),
             ("reserve: CUDA ctx | process" if p.profile.has_gpu else "reserve: process", "reserve"),

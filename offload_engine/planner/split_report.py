@@ -43,7 +43,7 @@ def rank_spec(name: str, profile: HardwareProfile, vram: int | None, ram: int | 
     return RankSpec(name, tiers, profile.nvme_gbps * 1e9)
 
 
-def build_split(model: str, ranks: str, default_hardware: str, weights: str | None = None,
+def build_split(model: str, ranks: str, default_hardware: str | HardwareProfile, weights: str | None = None,
                 context: int = DEFAULT_CONTEXT, rank_vram: str | None = None, rank_ram: str | None = None,
                 link_gbps: float = 1.25, link_us: float = 50.0) -> Split:
     shape = model_shape(load_model_spec(model))
@@ -59,7 +59,8 @@ def build_split(model: str, ranks: str, default_hardware: str, weights: str | No
             raise ConfigError(str(e)) from None
 
     vram, ram = size(rank_vram, "--rank-vram"), size(rank_ram, "--rank-ram")
-    specs = [rank_spec(name, load_profile(name), vram, ram) for name in names]
+    profiles = [load_profile(n) if isinstance(n, str) else n for n in names]  # a profile: this machine's
+    specs = [rank_spec(prof.name, prof, vram, ram) for prof in profiles]
     layers, extras = layer_costs(shape.bytes_of(fmt, False), shape.spec, context, ITEMSIZE)
     if link_gbps <= 0 or link_us < 0:
         raise ConfigError("--link-gbps must be > 0 and --link-us >= 0")
@@ -67,8 +68,9 @@ def build_split(model: str, ranks: str, default_hardware: str, weights: str | No
                         link_bps=link_gbps * 1e9, link_latency_s=link_us * 1e-6)
 
 
-def cmd_split(args: argparse.Namespace, default_hardware: str) -> int:
-    split = build_split(args.model, args.ranks, args.hardware or default_hardware, args.weights, args.context,
+def cmd_split(args: argparse.Namespace, default_hardware: str | HardwareProfile) -> int:
+    split = build_split(args.model, args.ranks, args.hardware or default_hardware, args.weights,
+                        args.context or DEFAULT_CONTEXT,
                         args.rank_vram, args.rank_ram, args.link_gbps, args.link_us)
     if args.json:
         print(json.dumps({"ranges": split.ranges, "tok_s": split.tok_s, "hop_s": split.hop_s,

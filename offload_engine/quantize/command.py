@@ -24,7 +24,8 @@ routers, MTP layers and the head too unless --no-keep-router / --no-keep-mtp / -
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8/int4/fp8 (compressed-tensors) copy of a checkpoint",
                        epilog=QUANTIZE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face folder in bf16, fp16 or fp32")
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="as --model (either form)")
+    p.add_argument("--model", help="Hugging Face folder in bf16, fp16 or fp32 (default: the bundled model)")
     p.add_argument("--out", required=True, help="folder to create (never overwritten)")
     p.add_argument("--weights", required=True, choices=WEIGHTS, help="stored weight format")
     p.add_argument("--group", type=int, metavar="N",

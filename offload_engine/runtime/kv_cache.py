@@ -96,6 +96,15 @@ class _StateHistory:
             last = self.segments[-1]
             self.segments[-1] = _Segment(last.start, tuple(t[:position - last.start] for t in last.log))
 
+    def copy(self, position: int, device: torch.device) -> "_StateHistory":
+        """A copy as of a reachable `position` (states and logs cloned onto `device`): shares no tensor with this one."""
+        out = _StateHistory(self.replay)
+        out.anchors, out.segments = list(self.anchors), list(self.segments)
+        out.restore(position)  # new lists and views: this history is left as it was
+        out.anchors = [(p, None if st is None else tuple(t.to(device, copy=True) for t in st)) for p, st in out.anchors]
+        out.segments = [_Segment(s.start, tuple(t.to(device, copy=True) for t in s.log)) for s in out.segments]
+        return out
+
     @property
     def nbytes(self) -> int:
         states = sum(t.numel() * t.element_size() for _, st in self.anchors if st is not None for t in st)
@@ -214,3 +223,42 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for s in self._store if s is not None for part in s
                    for b in part.tensors)
+
+    # ---- snapshots (the server's prompt cache, generate/prompt_cache.py) -------------------------------------
+    def copy_prefix(self, n: int, device: torch.device | str = "cpu") -> "KVCache":
+        """A new cache of capacity n on `device` holding copies of this one's first n positions (entries as
+        stored: quantized ones with their scales) and its recurrent states as of n."""
+        out = KVCache(len(self._store), n, device, self.rollback, self.kv_dtype)
+        out.load(self, n)
+        return out
+
+    @torch.inference_mode()  # the buffers are inference tensors (written by forwards): updated in place here too
+    def load(self, source: "KVCache", n: int) -> None:
+        """Forget everything held and take copies of `source`'s first n positions (a rewindable position of it):
+        later writes to either cache never reach the other. Buffers already allocated here are reused."""
+        if not 0 <= n <= self.capacity or not source.can_rewind(n) or source.kv_dtype != self.kv_dtype:
+            raise ValueError(f"cannot load {n} positions of a {source.kv_dtype} cache of {source.length} into a "
+                             f"{self.kv_dtype} cache of capacity {self.capacity}")
+        self._pending.clear()
+        for layer, parts in enumerate(source._store):
+            if parts is None:
+                continue
+            mine = self._store[layer]
+            if mine is None or _layout(mine) != _layout(parts):
+                mine = tuple(new_storage(self.kv_dtype, self.capacity, p.tensors[0].new_empty(
+                    (0, *p.tensors[0].shape[1:]), dtype=p.compute), self.device) for p in parts)
+                self._store[layer] = mine
+            for dst, src in zip((t for p in mine for t in p.tensors), (t for p in parts for t in p.tensors)):
+                dst[:n].copy_(src[:n])
+        self._states = {layer: h.copy(n, self.device) for layer, h in source._states.items()}
+        self.length = n
+
+    def prefix_nbytes(self, n: int) -> int:
+        """What copy_prefix(n) holds for the attention entries (the recurrent states add state_nbytes at most)."""
+        return sum(b[:n].numel() * b.element_size() for s in self._store if s is not None for part in s
+                   for b in part.tensors)
+
+
+def _layout(parts: tuple[KVStorage, ...]) -> list:
+    """What a layer's storage holds per position: each buffer's row shape and dtype, and the dtype reads return."""
+    return [(p.compute, t.shape[1:], t.dtype) for p in parts for t in p.tensors]

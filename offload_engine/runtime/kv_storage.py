@@ -21,6 +21,7 @@ import torch
 
 class KVStorage(Protocol):
     tensors: tuple[torch.Tensor, ...]
+    compute: torch.dtype  # what `read` returns
 
     def write(self, start: int, x: torch.Tensor) -> None: ...
     def read(self, end: int) -> torch.Tensor: ...

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import ConfigError, OffloadEngineError
 from ..generate.decoder import FinishEvent, TokenEvent
 from ..modes import SPEC_MODES
-from . import fields
+from . import fields, tools
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, Sampling, parse_body
 from .queue import DONE, EngineWorker, Job, QueueFull
@@ -92,7 +92,9 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(metrics.text(worker.queue_length, worker.busy),
+        cache = getattr(engine, "prompt_cache", None)  # saved prefixes (--cache-ram)
+        return PlainTextResponse(metrics.text(worker.queue_length, worker.busy,
+                                              cache.snapshot() if cache is not None else None),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -104,17 +106,17 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, settings.max_body_bytes), ChatRequest)
         fields.check_chat(body)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
         if engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
+        tool_plan = tools.plan(body, engine.tokenizer)  # None: no tools offered
+        messages = tools.template_messages(body, engine.tokenizer)
         try:
-            ids = engine.tokenizer.encode_chat(messages)
+            ids = engine.tokenizer.encode_chat(messages, **tools.template_vars(tool_plan))
         except Exception as e:  # a template that refuses the message order (e.g. two system turns)
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        shape = Shape(chat=True, tokenizer=engine.tokenizer, logprobs=top is not None)
+        shape = Shape(chat=True, tokenizer=engine.tokenizer, logprobs=top is not None, tools=tool_plan)
         return await respond(request, body, ids, limit, shape, top)
 
     @app.post("/v1/completions")
@@ -153,7 +155,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                 f"{settings.model_id!r})", "not_found_error", param="model", code="model_not_found")
         if body.spec is not None and body.spec not in SPEC_MODES:
             raise ApiError(400, f"spec: must be one of {', '.join(SPEC_MODES)}, got {body.spec!r}", param="spec")
-        grammar = fields.grammar(body)
+        grammar = shape.tools.grammar if shape.tools is not None and shape.tools.grammar else fields.grammar(body)
         fields.compiled(grammar)
         room = engine.context - len(ids)
         if room < 1:
@@ -257,6 +259,7 @@ async def _sse(job: Job, meta: dict, shape: Shape, prompt_tokens: int, include_u
     if asked, [DONE]. Cancelled (the client disconnected), it calls `client_left`, which stops the job at the
     worker's next step."""
     pending, offset = [], len(shape.echo)  # logprobs not sent yet; completions' text_offset of the next token
+    answer = tools.ToolAnswer(shape.tools) if shape.tools is not None else None  # tool calls sent as deltas
 
     def take_logprobs() -> dict | None:
         nonlocal pending, offset
@@ -276,11 +279,20 @@ async def _sse(job: Job, meta: dict, shape: Shape, prompt_tokens: int, include_u
             if isinstance(item, TokenEvent):
                 if item.logprob is not None:
                     pending.append(item.logprob)
-                if item.text:
+                if answer is not None:
+                    for delta in answer.token(item.token_id):
+                        yield sse_line(chunk(meta, shape, None, None, logprobs=take_logprobs() if pending else None,
+                                             delta=delta))
+                elif item.text:
                     yield sse_line(chunk(meta, shape, item.text, None, logprobs=take_logprobs()))
             elif isinstance(item, FinishEvent):
-                last = chunk(meta, shape, None, FINISH.get(item.reason, item.reason),
-                             logprobs=take_logprobs() if pending else None)
+                reason = FINISH.get(item.reason, item.reason)
+                if answer is not None:
+                    for delta in answer.finish():
+                        yield sse_line(chunk(meta, shape, None, None, logprobs=take_logprobs() if pending else None,
+                                             delta=delta))
+                    reason = answer.reason(item.reason, answer.final())
+                last = chunk(meta, shape, None, reason, logprobs=take_logprobs() if pending else None)
                 last["offload_engine"] = jsonable(item.stats)
                 if not include_usage:
                     last["usage"] = usage(prompt_tokens, item)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..units import format_bytes
 
 SERVE_EXAMPLES = """examples:
   offload-engine serve --model ~/models/Qwen3-30B-A3B --ram 48GiB
@@ -31,6 +32,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the most tokens one request may generate (default 4096)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting for the engine before further ones get 429 (default 64)")
+    p.add_argument("--cache-ram", default="auto", metavar="SIZE|auto",
+                   help="host RAM for saved prompt prefixes (KV cache snapshots a later request with the same "
+                        "prefix reuses), charged to the --ram budget: 2GiB, 512MiB, 0 (off: only the last "
+                        "conversation's cache is reused); auto (default): 1/32 of --ram, at most 1 GiB")
 
 
 def is_loopback(host: str) -> bool:
@@ -77,8 +82,9 @@ def serve(engine: Any, args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     placement = engine.placement
     streamed = [k for k in placement.sizes if placement.home(k) == "disk"]
+    cache = engine.prompt_cache.limit
     print(f"serving {settings.model_id} at http://{host}:{port}/ (OpenAI API at /v1, context {engine.context} "
-          f"tokens, one sequence at a time) | plan: "
+          f"tokens, one sequence at a time, prompt cache {format_bytes(cache) if cache else 'off'}) | plan: "
           f"{'streams ' + ', '.join(streamed) if streamed else 'every weight resident'}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5,
                             access_log=not args.quiet)

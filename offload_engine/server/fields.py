@@ -19,25 +19,22 @@ SHARED["user"] = NEUTRAL
 
 CHAT_FIELDS: dict[str, str] = {
     **SHARED, "messages": IMPLEMENTED, "max_completion_tokens": IMPLEMENTED, "logprobs": IMPLEMENTED,
-    "top_logprobs": IMPLEMENTED, "response_format": IMPLEMENTED,
+    "top_logprobs": IMPLEMENTED, "response_format": IMPLEMENTED, "tools": IMPLEMENTED, "tool_choice": IMPLEMENTED,
+    "parallel_tool_calls": IMPLEMENTED,
     **{name: NEUTRAL for name in ("metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                                   "service_tier", "store", "modalities")},
-    **{name: REFUSED for name in ("audio", "function_call", "functions", "moderation", "parallel_tool_calls",
-                                  "prediction", "prompt_cache_options", "reasoning_effort", "tool_choice", "tools",
-                                  "verbosity", "web_search_options")},
+    **{name: REFUSED for name in ("audio", "function_call", "functions", "moderation", "prediction",
+                                  "prompt_cache_options", "reasoning_effort", "verbosity", "web_search_options")},
 }
 COMPLETION_FIELDS: dict[str, str] = {**SHARED, "prompt": IMPLEMENTED, "echo": IMPLEMENTED, "logprobs": IMPLEMENTED,
                                      "best_of": REFUSED, "suffix": REFUSED}
 
-TOOLS = "tool calling is not supported by this server"
+TOOLS = "the deprecated functions API is not supported: use tools and tool_choice"
 # field -> (values accepted: they ask for nothing this server lacks, why any other value is refused)
 _CHAT_RULES: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((None,), "audio output is not supported (text only)"),
     "function_call": ((None, "none"), TOOLS),
     "functions": ((None, []), TOOLS),
-    "tools": ((None, []), TOOLS),
-    "tool_choice": ((None, "none"), TOOLS + " (only 'none' is accepted)"),
-    "parallel_tool_calls": ((None,), TOOLS),
     "moderation": ((None,), "moderation is not run by this server"),
     "prediction": ((None,), "predicted outputs are not supported (speculative decoding drafts on its own: spec)"),
     "prompt_cache_options": ((None,), "prompt caching here is automatic and in memory (the last sequence's cache "
@@ -57,8 +54,7 @@ _COMPLETION_RULES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _MESSAGE_RULES: dict[str, tuple[tuple[Any, ...], str]] = {
     "name": ((None,), "a participant's name is not supported (the chat template has no place for it)"),
-    "tool_calls": ((None, []), TOOLS),
-    "function_call": ((None,), TOOLS),
+    "function_call": ((None,), TOOLS + " (an assistant message's tool_calls)"),
     "refusal": ((None,), "an assistant refusal is not supported: send it as content"),
     "audio": ((None,), "audio is not supported (text only)"),
 }

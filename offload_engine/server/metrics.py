@@ -41,7 +41,8 @@ class Metrics:
         with self.lock:
             self.generated_tokens += 1
 
-    def text(self, queue_length: int, busy: bool) -> str:
+    def text(self, queue_length: int, busy: bool, prompt_cache: dict | None = None) -> str:
+        """prompt_cache: the engine's PromptCache.snapshot() (saved prefixes: entries, bytes, hits, tokens)."""
         with self.lock:
             lines = [
                 "# TYPE offload_engine_requests_total counter", f"offload_engine_requests_total {self.requests}",
@@ -64,5 +65,21 @@ class Metrics:
                 "# TYPE offload_engine_queue_length gauge", f"offload_engine_queue_length {queue_length}",
                 "# TYPE offload_engine_busy gauge", f"offload_engine_busy {int(busy)}",
             ]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _prompt_cache_lines(prompt_cache)) + "\n"
+
+
+def _prompt_cache_lines(c: dict | None) -> list[str]:
+    """Saved prefixes (serve --cache-ram) and reuse by source: "last" (the last sequence's cache, in place) or
+    "saved" (a saved prefix, copied in); a miss reused nothing."""
+    if c is None:
+        return []
+    p = "offload_engine_prompt_cache"
+    return [f"# TYPE {p}_limit_bytes gauge", f"{p}_limit_bytes {c['limit_bytes']}",
+            f"# TYPE {p}_entries gauge", f"{p}_entries {c['entries']}",
+            f"# TYPE {p}_bytes gauge", f"{p}_bytes {c['bytes']}",
+            f"# TYPE {p}_hits_total counter", *(f'{p}_hits_total{{source="{s}"}} {n}' for s, n in c["hits"].items()),
+            f"# TYPE {p}_misses_total counter", f"{p}_misses_total {c['misses']}",
+            f"# TYPE {p}_tokens_reused_total counter",
+            *(f'{p}_tokens_reused_total{{source="{s}"}} {n}' for s, n in c["tokens"].items()),
+            f"# TYPE {p}_evictions_total counter", f"{p}_evictions_total {c['evictions']}"]
 

@@ -23,13 +23,14 @@ class ApiError(Exception):
 
 
 class Message(BaseModel):
-    """A chat message. Fields the chat template has no place for (a tool call, a participant's name) are refused
-    by `fields.check_message`, not dropped."""
+    """A chat message. Fields the chat template has no place for (a participant's name) are refused by
+    `fields.check_message`, not dropped; tool calls and tool results are checked by tools.py."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: Any = None
     tool_calls: Any = None
+    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None

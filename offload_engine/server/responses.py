@@ -20,6 +20,7 @@ class Shape:
     tokenizer: Any
     logprobs: bool = False
     echo: str = ""  # completions: the prompt text returned before the answer (echo: true)
+    tools: Any = None  # chat: the ToolPlan (tools.py) when tools are offered: the answer may be tool calls
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -70,8 +71,10 @@ def complete(meta: dict, shape: Shape, finish: FinishEvent, prompt_tokens: int) 
     reason = FINISH.get(finish.reason, finish.reason)
     logprobs = logprobs_body(shape, finish.logprobs, len(shape.echo))
     if shape.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": finish.text}, "logprobs": logprobs,
-                  "finish_reason": reason}
+        message = {"role": "assistant", "content": finish.text}
+        if shape.tools is not None:
+            message, reason = shape.tools.message(finish)
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": shape.echo + finish.text, "logprobs": logprobs, "finish_reason": reason}
     return {**meta, "object": "chat.completion" if shape.chat else "text_completion", "choices": [choice],
@@ -79,9 +82,11 @@ def complete(meta: dict, shape: Shape, finish: FinishEvent, prompt_tokens: int) 
 
 
 def chunk(meta: dict, shape: Shape, text: str | None, reason: str | None, first: bool = False,
-          logprobs: dict | None = None) -> dict:
+          logprobs: dict | None = None, delta: dict | None = None) -> dict:
+    """`delta` (chat): the delta as it is, e.g. {"tool_calls": [...]}, in place of the text's."""
     if shape.chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
     return {**meta, "object": "text_completion", "choices": [{"index": 0, "text": text or "", "logprobs": logprobs,

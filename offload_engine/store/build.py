@@ -10,6 +10,7 @@ from ..checkpoint.layout import UnitLayout
 from ..checkpoint.model import ModelCheckpoint
 from ..constants import READER_THREADS, STALL_TIMEOUT_S, seconds_from_env
 from ..errors import ConfigError
+from ..planner.kv import prompt_cache_bytes
 from ..planner.placement import Placement, ResolvedBudget, bounce_bytes, place
 from .ledger import Ledger
 from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
@@ -18,20 +19,24 @@ FIT_RESERVE = 1 << 30  # memory a run without --ram leaves the machine at least 
 
 
 def plan_for(checkpoint: ModelCheckpoint, budget: ResolvedBudget, device: torch.device, kv_bytes: int,
-             direct_io: str, room: Callable[[UnitLayout], int] | None = None) -> tuple[Placement, bool]:
+             direct_io: str, room: Callable[[UnitLayout], int] | None = None, cache_ram: int | str = 0
+             ) -> tuple[Placement, bool]:
     """The planner's placement (planner.placement.place) for this checkpoint on `device`: this only gathers its
     inputs, the units' bytes and, on CUDA without a device budget, 90% of the VRAM free now. `room`: what a
-    slot needs beyond a unit's bytes (the CPU kernels' forms: planner/kernel_room.py)."""
+    slot needs beyond a unit's bytes (the CPU kernels' forms: planner/kernel_room.py). cache_ram: the prompt
+    cache's bytes (--cache-ram, planner.kv.prompt_cache_bytes), charged to the host tier."""
     device_budget = budget.device
     if device_budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         device_budget = int(free * 0.9)
     units = {key: layout.nbytes + (room(layout) if room else 0) for key, layout in checkpoint.layouts.items()}
     host_budget = budget.host
+    cache = prompt_cache_bytes(cache_ram, host_budget, checkpoint.index.total_bytes)
     if host_budget is None and device_budget is None:  # no --ram on a CPU: what this machine has room for
-        host_budget = fitted_host_budget(sum(units.values()) + kv_bytes, available_memory())
+        host_budget = fitted_host_budget(sum(units.values()) + kv_bytes + cache, available_memory())
+        cache = prompt_cache_bytes(cache_ram, host_budget, checkpoint.index.total_bytes)  # auto: of that budget
     return place(units, device_budget=device_budget, host_budget=host_budget, kv_bytes=kv_bytes,
-                 direct_io=direct_io, gpu=device.type == "cuda")
+                 direct_io=direct_io, gpu=device.type == "cuda", prompt_cache_bytes=cache)
 
 
 def available_memory() -> int:

@@ -174,11 +174,14 @@ class Tier:
     unpin: list = field(default_factory=list)  # page-locked pools' unregister calls (free_all runs them)
 
     def provision(self, plan: TierPlan, sizes: dict[str, KindSize], ledger: Ledger, pin_memory: bool) -> None:
-        """Charge the plan's staging and KV cache bytes, and allocate its slots (charged first, each pool)."""
+        """Charge the plan's staging, KV cache and prompt cache bytes, and allocate its slots (charged first, each
+        pool)."""
         if plan.staging_bytes:
             ledger.charge(self.name, plan.staging_bytes, "staging")
         if plan.kv_bytes:
             ledger.charge(self.name, plan.kv_bytes, "kv cache")
+        if plan.prompt_cache_bytes:
+            ledger.charge(self.name, plan.prompt_cache_bytes, "prompt cache")
         for kind, n in plan.slots.items():
             self.allocate(kind, n, sizes[kind].slot_bytes, ledger, pin_memory=pin_memory)
 
@@ -188,7 +191,7 @@ class Tier:
         self.free_all(ledger)
         items = ledger.accounts[self.name].items
         for what, n in (("staging", plan.staging_bytes), ("kv cache", plan.kv_bytes),
-                        ("row cache", plan.row_cache_bytes)):
+                        ("row cache", plan.row_cache_bytes), ("prompt cache", plan.prompt_cache_bytes)):
             if n and items.get(what):
                 ledger.credit(self.name, n, what)
 
