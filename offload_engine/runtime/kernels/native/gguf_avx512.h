@@ -24,6 +24,11 @@
 
 namespace offload_native::gguf {
 
+// a tile's NB rows are NB short streams the hardware prefetcher does not ramp up on: the rows kAheadTiles tiles
+// ahead are prefetched into L2 as these are read (into L1, or 4 tiles ahead, two threads read Q4_0 at ~20 GB/s; so,
+// ~28 of the machine's ~32: tools/gguf_native_bench.py)
+constexpr int64_t kAheadTiles = 8;
+
 template <bool kQ8>
 struct Fast {
   static constexpr int64_t kBytes = kQ8 ? 34 : 18;  // a block of 32
@@ -73,7 +78,7 @@ inline __m512 weight_scales(const uint8_t* p, bool second) {
 // NB output rows [n, n + NB) for MB rows of x (neg[m]: row m0 + m's offsets())
 template <bool kQ8, int NB, int MB>
 void fast_tile(const Form& f, const Act& a, const int32_t* const* neg, int64_t m0, int64_t n, bf16* out, int64_t ldo) {
-  constexpr int64_t kB = Fast<kQ8>::kBytes, kAhead = 4;  // tiles ahead prefetched (gguf_cpu.cpp's kPrefetchTiles)
+  constexpr int64_t kB = Fast<kQ8>::kBytes;
   __m512 acc[NB][MB];
   const uint8_t* w[NB];
   for (int r = 0; r < NB; ++r) {
@@ -82,9 +87,9 @@ void fast_tile(const Form& f, const Act& a, const int32_t* const* neg, int64_t m
   }
   const __m512i zero = _mm512_setzero_si512();
   const int64_t blocks = f.K / kBlock, chunks = (blocks + 1) / 2;
-  const char* ahead = reinterpret_cast<const char*>(w[0] + kAhead * NB * f.row_bytes);  // (hints never fault)
+  const char* ahead = reinterpret_cast<const char*>(w[0] + kAheadTiles * NB * f.row_bytes);  // (hints never fault)
   for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t at = c * NB * 2 * kB; at < (c + 1) * NB * 2 * kB; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    for (int64_t at = c * NB * 2 * kB; at < (c + 1) * NB * 2 * kB; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
     const bool second = 2 * c + 1 < blocks;
     __m512i xq[MB], xr[MB], xo[MB];
     __m512 xs[MB];
@@ -149,7 +154,6 @@ struct Quads {  // row m of x per 4 blocks (g): the digits' low and high halves,
 
 template <int NB, int MB>
 void q4_tile(const Form& f, const Quads& x, int64_t m0, int64_t n, bf16* out, int64_t ldo) {
-  constexpr int64_t kAhead = 4;
   __m512 acc[NB][MB];
   const uint8_t* w[NB];
   for (int r = 0; r < NB; ++r) {
@@ -167,9 +171,9 @@ void q4_tile(const Form& f, const Quads& x, int64_t m0, int64_t n, bf16* out, in
       55, 54, 55, 54, 55, 54, 55, 54, 37, 36, 37, 36, 37, 36, 37, 36,
       19, 18, 19, 18, 19, 18, 19, 18, 1, 0, 1, 0, 1, 0, 1, 0);
   const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  const char* ahead = reinterpret_cast<const char*>(w[0] + kAhead * NB * f.row_bytes);  // (hints never fault)
+  const char* ahead = reinterpret_cast<const char*>(w[0] + kAheadTiles * NB * f.row_bytes);  // (hints never fault)
   for (int64_t g = 0; g < x.G4; ++g) {
-    for (int64_t at = g * NB * 72; at < (g + 1) * NB * 72; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    for (int64_t at = g * NB * 72; at < (g + 1) * NB * 72; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
     __m512i ql[MB], qh[MB], rl[MB], rh[MB], xo[MB];
     __m512 xs[MB];
     for (int m = 0; m < MB; ++m) {

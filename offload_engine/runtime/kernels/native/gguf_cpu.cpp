@@ -42,8 +42,9 @@ using offload_native::gguf::stored_row;
 namespace gg = offload_native::gguf;
 
 // a tile's NB rows are NB short streams (a row: ~1 KB at K = 2048) that the hardware prefetcher does not ramp up on
-// (as int_avx2.h's int8 tiles): the rows kPrefetchTiles tiles ahead are prefetched at the rate these are read
-constexpr int64_t kPrefetchTiles = 4;
+// (as int_avx2.h's int8 tiles): the rows kPrefetchTiles tiles ahead are prefetched into L2 at the rate these are
+// read (gguf_avx512.h's kAheadTiles says why L2)
+constexpr int64_t kPrefetchTiles = 8;
 
 inline float sum8(__m256 v) {  // the 8 lanes in a fixed order
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -74,7 +75,7 @@ void tile(const Form& f, const Act& a, const int16_t* const* x16, int64_t m0, in
   const int64_t blocks = f.K / T::kValues;
   const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * NB * f.row_bytes);  // (hints never fault)
   for (int64_t u = 0; u < blocks; ++u) {
-    for (int64_t at = u * NB * T::kBytes; at < (u + 1) * NB * T::kBytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    for (int64_t at = u * NB * T::kBytes; at < (u + 1) * NB * T::kBytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
     typename T::Head head[NB];  // each row's block scales, decoded once
     for (int r = 0; r < NB; ++r) head[r] = T::open(w[r] + u * T::kBytes);
     for (int j = 0; j < kSubs; ++j) {
