@@ -192,6 +192,31 @@ def test_tokenizer_and_chat_template_from_the_metadata(checkpoint_factory, tmp_p
     assert ours.eos_token_ids == theirs.eos_token_ids and ours.bos_token_id == theirs.bos_token_id
 
 
+def test_header_walk_reads_what_the_gguf_package_reads(checkpoint_factory, tmp_path):
+    """read_gguf's own header walk (checkpoint/gguf/prescan.py) against llama.cpp's Python reader: every metadata
+    value (the tokenizer's arrays included) and every tensor's type, shape and byte range, on a file llama.cpp's
+    converter wrote and one written by the `gguf` package's writer."""
+    import gguf
+
+    from offload_engine.checkpoint.gguf.reader import read_gguf
+
+    files = [convert(checkpoint_factory("llama"), tmp_path / "llama.gguf"),
+             *write_gguf(checkpoint_factory("qwen3_moe"), tmp_path / "moe.gguf", "Q8_0")]
+    for path in files:
+        ours, theirs = read_gguf(path), gguf.GGUFReader(path, "r")
+        expected = {}
+        for key, field in theirs.fields.items():
+            if key.startswith("GGUF."):  # the reader's own fields (version, counts), not the file's keys
+                continue
+            value = field.contents()
+            floats = field.types and field.types[0] == gguf.GGUFValueType.FLOAT32
+            expected[key] = float(f"{value:.7g}") if floats else value
+        assert ours.metadata == expected and len(expected) > 10
+        assert any(isinstance(v, list) and len(v) > 100 for v in expected.values())  # the vocabulary
+        assert {t.name: (t.tensor_type.name, tuple(reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+                for t in theirs.tensors} == {n: (t.gtype, t.shape, t.offset, t.nbytes) for n, t in ours.tensors.items()}
+
+
 def test_split_set_reads_like_one_file(checkpoint_factory, tmp_path):
     folder = checkpoint_factory("qwen3_moe", "offload")
     files = write_gguf(folder, tmp_path / "m.gguf", split_tensors=12)

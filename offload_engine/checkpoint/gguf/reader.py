@@ -1,7 +1,8 @@
-"""GGUF headers (one file, or a `-00001-of-0000N.gguf` split set): metadata and tensor infos, parsed by the `gguf`
-package (llama.cpp's own Python reader) and checked against the files before anything is read.
+"""GGUF headers (one file, or a `-00001-of-0000N.gguf` split set): metadata and tensor infos, read and checked by
+one walk over each header (prescan.py; tests compare it with the `gguf` package's reader, llama.cpp's own) before
+anything else is read.
 
-Nothing here reads tensor data: the reader memory-maps each file (no allocation in proportion to a declared
+Nothing here reads tensor data: the walk memory-maps each file (no allocation in proportion to a declared
 size) and this module keeps, per tensor, its type, its shape (outermost dimension first, numpy order: GGUF
 lists dimensions innermost first) and its absolute byte range. The engine's store reads those ranges itself.
 Checks: magic and version, every tensor's range inside its file and aligned, no two ranges overlapping, split
@@ -18,7 +19,7 @@ from typing import Any
 
 from ...errors import CheckpointError, CheckpointFormatError
 from ..index import ShardInfo, _open_regular
-from .prescan import prescan
+from .prescan import Header, prescan
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -93,58 +94,13 @@ def _known_types() -> dict[int, tuple[str, int, int]]:
     return {t.value: (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 
 
-def _parse(path: Path):
-    from gguf import GGUFReader  # imported here: the package is needed only for GGUF files
-
-    try:
-        return GGUFReader(path, "r")
-    except ValueError as e:
-        text = str(e)
-        if "GGMLQuantizationType" in text:  # raised while building the tensor list
-            raise CheckpointFormatError(path, f"unknown tensor type: {text}",
-                                        hint="a newer llama.cpp type this engine does not know") from None
-        if "reshape" in text or "size" in text:
-            raise CheckpointFormatError(path, f"file truncated or a tensor lies past its end ({text})",
-                                        hint=f"re-download {path.name}") from None
-        raise CheckpointFormatError(path, f"malformed GGUF header: {text}") from None
-    except (IndexError, KeyError, OverflowError, UnicodeDecodeError, struct.error, TypeError) as e:
-        raise CheckpointFormatError(path, f"malformed GGUF header ({type(e).__name__}: {e})") from None
-
-
-def _value(path: Path, key: str, field) -> Any:
-    from gguf import GGUFValueType
-
-    if not field.types:
-        return None
-    try:
-        value = field.contents()
-    except (UnicodeDecodeError, ValueError, IndexError) as e:
-        raise CheckpointFormatError(path, f"metadata key {key!r} unreadable ({type(e).__name__}: {e})") from None
-    if field.types[0] == GGUFValueType.FLOAT32:  # float32 in the file: keep its shortest decimal (1e-06)
-        value = float(f"{value:.7g}")
-    return value
-
-
-def _tensors(path: Path, reader, size: int) -> dict[str, GGUFTensor]:
-    align = reader.alignment
+def _tensors(path: Path, header: Header, types: dict[int, tuple[str, int, int]]) -> dict[str, GGUFTensor]:
+    """The walk's tensor infos by name (ranges already checked: inside the file, aligned, not overlapping)."""
     out: dict[str, GGUFTensor] = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if any(d <= 0 for d in shape):
-            raise CheckpointFormatError(path, f"shape {list(shape)} has a dimension < 1", tensor=t.name)
-        offset, nbytes = int(t.data_offset), int(t.n_bytes)
-        if offset + nbytes > size:
-            raise CheckpointFormatError(path, f"file truncated: byte range [{offset}, {offset + nbytes}) is past "
-                                              f"the end ({size} bytes)", tensor=t.name, hint=f"re-download {path.name}")
-        if offset % align:
-            raise CheckpointFormatError(path, f"data offset {offset} is not a multiple of the alignment {align}",
-                                        tensor=t.name)
-        out[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, path, offset, nbytes)
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values())
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointFormatError(path, f"byte range starting at {b1} overlaps tensor '{n0}' [{b0}, {e0})",
-                                        tensor=n1)
+    for t in header.tensors:
+        if t.name in out:
+            raise CheckpointFormatError(path, "tensor name appears twice in the header", tensor=t.name)
+        out[t.name] = GGUFTensor(t.name, types[t.gtype][0], tuple(reversed(t.dims)), path, t.offset, t.nbytes)
     return out
 
 
@@ -159,21 +115,20 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     shards = []
     for i, file in enumerate(files):
         shard = _check_magic(file)
-        prescan(file, _known_types())
-        reader = _parse(file)
-        meta = {k: _value(file, k, f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        types = _known_types()
+        header = prescan(file, types)
+        meta = header.metadata
         count = meta.get("split.count", 1)
         if len(files) > 1 and (count != len(files) or meta.get("split.no") != i):
             raise CheckpointFormatError(file, f"split metadata says part {meta.get('split.no')} of {count}, "
                                               f"the file name part {i} of {len(files)} (counting from 0)")
         if i == 0:
             metadata = meta
-        for name, t in _tensors(file, reader, shard.size).items():
+        for name, t in _tensors(file, header, types).items():
             if name in tensors:
                 raise CheckpointFormatError(file, f"tensor also present in {tensors[name].file.name}", tensor=name)
             tensors[name] = t
         shards.append(shard)
-        del reader  # its memory maps close with it
     if "general.architecture" not in metadata:
         raise CheckpointFormatError(files[0], "metadata has no general.architecture")
     return GGUFFile(files[0], files, metadata, tensors, shards)
