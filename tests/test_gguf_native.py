@@ -74,7 +74,7 @@ def test_kernel_matches_the_gguf_dequantization_on_the_quantized_input(gtype, n,
     assert rel < 5e-3, rel
 
 
-@pytest.mark.parametrize("gtype,k", [("Q8_0", 512), ("Q4_0", 512), ("Q4_0", 480), ("Q6_K", 512)])
+@pytest.mark.parametrize("gtype,k", [("Q8_0", 512), ("Q4_0", 512), ("Q4_0", 480), ("Q4_K", 512), ("Q6_K", 512)])
 def test_bits_do_not_depend_on_threads_or_the_rows_beside(gtype, k):
     raw = random_blocks(gtype, 100, k, seed=3)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).bfloat16()

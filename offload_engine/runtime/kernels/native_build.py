@@ -36,7 +36,7 @@ SOURCES = tuple(NATIVE / name for name in ("bf16_cpu.cpp", "int_cpu.cpp", "decod
                                            "decode_plan.cpp", "gguf_cpu.cpp", "bindings.cpp"))
 HEADERS = tuple(NATIVE / name for name in ("ops.h", "bf16_util.h", "int_input.h", "bf16_dot_avx512.h",
                                            "bf16_dot_avx2.h", "int_avx512.h", "int_avx2.h", "gguf_blocks.h",
-                                           "gguf_avx512.h"))
+                                           "gguf_avx512.h", "gguf_k_avx512.h"))
 # no FMA contraction: an expert's bits must not depend on how the compiler fused one instantiation's arithmetic
 # -fopenmp: at::parallel_for is a header template over OpenMP (torch's CPU threading); without the flag it runs
 # serially in the extension

@@ -15,7 +15,8 @@
 //
 // Instruction sets: AVX2 + F16C (gguf_blocks.h); the AVX-512 build (int_avx512.h's input: the digits q and r, no
 // joined x16) joins them per task and sums with VPDPWSSD (AVX512-VNNI on 256-bit vectors), but for Q4_0 and Q8_0,
-// whose bytes meet the two digits directly in 512-bit VPDPBUSD (gguf_avx512.h: the same sums in another order).
+// whose bytes meet the two digits directly in 512-bit VPDPBUSD (gguf_avx512.h: the same sums in another order),
+// and Q4_K likewise (gguf_k_avx512.h).
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -28,6 +29,7 @@
 #include "gguf_blocks.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include "gguf_avx512.h"
+#include "gguf_k_avx512.h"
 #endif
 #include "int_input.h"
 #include "ops.h"
@@ -122,6 +124,7 @@ void rows_of(const Form& f, const Act& a, int64_t n0, int64_t n1, bf16* out, int
   if constexpr (std::is_same_v<T, gg::Q4_0> || std::is_same_v<T, gg::Q8_0>) {  // bytes against digits (gguf_avx512.h)
     return gg::fast_rows<std::is_same_v<T, gg::Q8_0>>(f, a, n0, n1, out, ldo);
   }
+  if constexpr (std::is_same_v<T, gg::Q4_K>) return gg::q4k_rows(f, a, n0, n1, out, ldo);  // gguf_k_avx512.h
   thread_local std::vector<int16_t> joined;  // int_avx512.h's input keeps the digits apart: joined here, per task
   joined.resize(a.M * a.Kp);
   for (int64_t m = 0; m < a.M; ++m) {
