@@ -15,12 +15,11 @@ from .errors import (BudgetError, CheckpointError, CheckpointFormatError, Config
 if TYPE_CHECKING:
     from .api import Completion, Engine
     from .checkpoint.index import CheckpointIndex
-    from .config import Budget, EngineConfig, SpeculativeConfig
+    from .config import Budget, EngineConfig, PrefetchConfig, SpeculativeConfig
     from .generate.sampling import SamplingParams
-    from .prefetch.prefetcher import PrefetchConfig
 
 _LAZY = {"Engine": ".api", "Completion": ".api", "CheckpointIndex": ".checkpoint.index", "Budget": ".config",
-         "EngineConfig": ".config", "SpeculativeConfig": ".config", "PrefetchConfig": ".prefetch.prefetcher",
+         "EngineConfig": ".config", "SpeculativeConfig": ".config", "PrefetchConfig": ".config",
          "SamplingParams": ".generate.sampling"}
 
 __all__ = ["Engine", "EngineConfig", "SpeculativeConfig", "Completion", "Budget", "PrefetchConfig", "SamplingParams",

@@ -1,4 +1,5 @@
-"""Engine: the Python API. Engine.open(path, budget=..., spec=...) -> generate() / stream() / logits() / stats.
+"""Engine: the Python API. Engine.open(path, budget=..., spec=...) -> generate() / stream() / logits() / stats;
+prepare() checks a request once (generate/request.py) and returns what stream() / generate() run.
 
 The engine's parts are built by assemble.py from an EngineConfig (config.py); this module is the facade over them:
 lifecycle, requests, and per-request stats read from each part's snapshot().
@@ -21,20 +22,23 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .assemble import SPEC_ROOM, EngineParts, assemble, close_parts
-from .config import EngineConfig
+from .config import SPEC_ARGUMENTS, EngineConfig, spec_problem
 from .errors import ConfigError, EngineBusyError, EngineClosedError, out_of_memory_as_error
-from .generate.decoder import FinishEvent, GenerationState, TokenEvent, check_prompt, drive
+from .generate.decoder import FinishEvent, GenerationState, TokenEvent, drive
 from .generate.prompt_cache import PromptCache
 from .generate.grammar import GrammarMatcher
+from .generate.request import PreparedRequest, RequestError, check_context, check_prompt, check_runnable
 from .generate.sampling import Sampler, SamplingParams, TokenLogprob
 from .interrupts import finish_despite_interrupts, sigint_guarded
+from .modes import SPEC_MODES
 from .planner.placement import Placement
 from .prefetch.prefetcher import Prefetcher
 from .runtime.mtp import mtp_layer_count
 from .runtime.cpu_load import sample_other_load
 from .runtime.threads import ThreadTuner
 from .speculative.chooser import SpecStats
-from .speculative.stepper import check_spec, make_stepper
+from .speculative.drafters.factory import self_draft_refusal
+from .speculative.stepper import make_stepper
 from .store.store import TieredStore
 from .tokenizer import TOKENIZER_FILES
 
@@ -61,6 +65,7 @@ class Engine:
         self._owner: int | None = None  # thread id of the request holding the lock
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        self._token = object()  # the requests this engine prepared carry it (PreparedRequest.owner)
         self.threads: ThreadTuner | None = None  # the compute thread count (Engine.open sets it: config.threads)
         self.reuse_prefix = True  # reuse cached prefixes: the last sequence's, and saved ones (prompt_cache.py)
         # saved prefixes within the bytes the placement charged the host tier for them (--cache-ram)
@@ -156,12 +161,13 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def stream(self, prompt: str | Sequence[int], *, chat: bool = False, spec: str | None = None,
-               spec_depth: int | None = None, spec_width: int | None = None, **sampling: Any
-               ) -> Iterator[TokenEvent | FinishEvent]:
-        """Yield TokenEvents as tokens are accepted, then a FinishEvent. Holds the engine lock while iterating.
-        spec / spec_depth / spec_width override the engine's speculative defaults for this request. Arguments
-        are checked here, before the first next()."""
+    def prepare(self, prompt: str | Sequence[int], *, chat: bool = False, spec: str | None = None,
+                spec_depth: int | None = None, spec_width: int | None = None, **sampling: Any) -> PreparedRequest:
+        """Check a request once and return it ready to run: the sampling values (SamplingParams' fields:
+        max_new_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids, ignore_eos, penalties,
+        logit_bias, logprobs, grammar), the prompt's ids, the speculation mode (spec / spec_depth / spec_width
+        override the engine's defaults), the grammar and the context. A refusal is a ConfigError naming the
+        argument; stream(request) and generate(request) then run it without checking it again."""
         self._check_open()
         params = SamplingParams(**sampling)
         params.check_vocab(self.model.vocab_size)
@@ -169,23 +175,41 @@ class Engine:
         if spec is None:
             mode, depth, width = self.speculative.mode, self.speculative.depth, self.speculative.width
         else:
-            mode, depth, width = check_spec(spec, spec_depth, spec_width)
-        constraint = None
-        if params.grammar is not None:  # the mask of each token (of each draft-tree row: its own path's)
-            constraint = GrammarMatcher(params.grammar, self.tokenizer, self.model.vocab_size)
-        if mode == "mtp" and not mtp_layer_count(self.checkpoint):
-            raise ConfigError("spec 'mtp': this engine was opened without the checkpoint's MTP layers; open it with "
-                              "spec='mtp' (spec='auto' loads them only where they cost little memory)")
-        if len(ids) + params.max_new_tokens > self.context:
-            raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the "
-                              f"context this engine reserved in its budget ({self.context} tokens): open it with a "
-                              f"larger max_context (--context)")
-        stream = self._serve(ids, params, mode, depth, width, constraint)
+            problem = spec_problem(spec, spec_depth, spec_width, SPEC_ARGUMENTS)
+            if problem is not None:
+                name, message = problem
+                raise RequestError(message, name, code=None if spec in SPEC_MODES else "unknown_mode")
+            mode, depth, width = spec, spec_depth, spec_width
+        constraint = []  # the grammar's state, built now: a grammar that does not compile is refused here
+        if params.grammar is not None:
+            constraint.append(GrammarMatcher(params.grammar, self.tokenizer, self.model.vocab_size))
+        check_runnable(mode, bool(mtp_layer_count(self.checkpoint)), self.draft is not None,
+                       self_draft_refusal(self.model) if mode == "self" else None)
+        check_context(len(ids), params.max_new_tokens, self.context)
+        return PreparedRequest(tuple(ids), params, mode, depth, width, owner=self._token, _constraint=constraint)
+
+    def stream(self, prompt: str | Sequence[int] | PreparedRequest, **arguments: Any
+               ) -> Iterator[TokenEvent | FinishEvent]:
+        """Yield TokenEvents as tokens are accepted, then a FinishEvent. Holds the engine lock while iterating.
+        `prompt` with prepare()'s keyword arguments (checked here, before the first next()), or a request
+        prepare() returned (run as it is)."""
+        stream = self._serve(self._prepared(prompt, arguments))
         self._streams.add(stream)
         return stream
 
-    def _serve(self, ids: list[int], params: SamplingParams, mode: str, depth: int | None, width: int | None,
-               constraint: GrammarMatcher | None = None) -> Iterator[TokenEvent | FinishEvent]:
+    def _prepared(self, prompt: str | Sequence[int] | PreparedRequest, arguments: dict[str, Any]) -> PreparedRequest:
+        if not isinstance(prompt, PreparedRequest):
+            return self.prepare(prompt, **arguments)
+        if arguments:
+            raise TypeError(f"a PreparedRequest carries its arguments: pass it alone (got {sorted(arguments)})")
+        if prompt.owner is not self._token:
+            raise ConfigError("this request was prepared by another engine: prepare it with this one")
+        self._check_open()
+        return prompt
+
+    def _serve(self, request: PreparedRequest) -> Iterator[TokenEvent | FinishEvent]:
+        ids, params, mode, depth, width = list(request.ids), request.params, request.spec, request.spec_depth, \
+            request.spec_width
         with self._request():
             if self.threads is not None:
                 self.threads.enter()
@@ -204,10 +228,10 @@ class Engine:
                 reused = start = 0
             spec_stats = SpecStats()
             draft = self.draft
-            sampler = Sampler(params, constraint=constraint)
+            sampler = Sampler(params, constraint=request.constraint(self.tokenizer, self.model.vocab_size))
+            # no tokenizers to compare: the draft model's vocabulary was checked against the target's at open
             stepper = make_stepper(self.model, cache, sampler, mode, depth=depth, width=width, draft=draft,
-                                   store=self.store, stats=spec_stats, tokenizer=self.tokenizer,
-                                   draft_tokenizer=draft.tokenizer if draft is not None else None)
+                                   store=self.store, stats=spec_stats)
             events = drive(stepper, ids[start:], GenerationState(params, self.tokenizer))
             decoding = None  # the store's counters when the prefill's token came out
             while True:
@@ -234,9 +258,10 @@ class Engine:
                     decoding = self.snapshot()
                 yield event
 
-    def generate(self, prompt: str | Sequence[int], *, chat: bool = False, **sampling: Any) -> Completion:
+    def generate(self, prompt: str | Sequence[int] | PreparedRequest, **arguments: Any) -> Completion:
+        """The whole answer: stream()'s arguments (a prompt and prepare()'s keywords, or a prepared request)."""
         finish = None
-        for event in self.stream(prompt, chat=chat, **sampling):
+        for event in self.stream(prompt, **arguments):
             if isinstance(event, FinishEvent):
                 finish = event
         assert finish is not None

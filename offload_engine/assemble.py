@@ -25,16 +25,17 @@ from .checkpoint.layout import UnitLayout
 from .checkpoint.model import ModelCheckpoint, open_model
 from .checkpoint.naming import UnitKey
 from .checkpoint.stage import Stage, restrict
-from .config import Budget, EngineConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from .config import MAX_DEPTH, MAX_WIDTH, Budget, EngineConfig, PrefetchConfig, SpeculativeConfig, size_bytes
 from .constants import DEFAULT_CONTEXT
 from .errors import ConfigError, PlanError
 from .interrupts import finish_despite_interrupts
 from .planner.costs import Machine
 from .planner.kv import kv_bytes
-from .planner.placement import Placement
+from .planner.placement import Placement, ResolvedBudget
 from .prefetch.predictor import Combined, FrequencyPrior, RouterLookahead
-from .prefetch.prefetcher import PrefetchConfig, Prefetcher
+from .prefetch.prefetcher import Prefetcher
 from .runtime.arch import build_ops
+from .runtime.devices import resolve_device, resolve_dtype
 from .runtime.host_compute import HostCompute, measure_machine
 from .runtime.kernels.decode import DecodeKernels, expert_shape, plain_float_shapes
 from .runtime.kernels.decode import choose as choose_decode_kernels
@@ -44,7 +45,6 @@ from .runtime.kv_cache import ROLLBACK
 from .runtime.model import CausalLM
 from .runtime.mtp import attach_mtp_units, mtp_layer_count, mtp_supported
 from .speculative.drafters.draft_model import check_same_vocabulary
-from .speculative.stepper import MAX_DEPTH, MAX_WIDTH
 from .store.build import build_store, plan_for
 from .store.store import TieredStore
 from .tokenizer import Tokenizer
@@ -100,8 +100,8 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     dtype = resolve_dtype(config.dtype, device, checkpoint.spec.dtype)
     # percentages are of the checkpoint's tensor bytes (what the folder holds), whichever units --spec loads; a
     # stage's, of the bytes of the units it holds
-    resolved = config.budget.resolve(checkpoint.index.total_bytes if stage is None else
-                                     restrict(checkpoint, stage).total_bytes)
+    resolved = resolve_budget(config.budget, checkpoint.index.total_bytes if stage is None else
+                              restrict(checkpoint, stage).total_bytes)
     context = config.max_context or min(checkpoint.spec.max_position_embeddings, DEFAULT_CONTEXT)
     ops = build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -135,13 +135,16 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
                         keep_cache=resolved.host is None or config.direct_io == "off")  # off: the page cache allowed
     draft = None
     try:
+        # the ops the model, its MoE blocks and the prefetcher's router lookahead compute with, bound to the native
+        # decode kernels chosen for the checkpoint's shapes (its MTP layers' included)
+        ops = ops.with_kernels(_decode_kernels(checkpoint, device, dtype, config))
         model = CausalLM(checkpoint, store, device, dtype, max_context=context + SPEC_ROOM,
                          prefill_chunk=config.prefill_chunk, ops=ops,
                          prefetcher=make_prefetcher(checkpoint, ops, store, config.prefetch, config.trace, predictor,
                                                     stage.layers if stage is not None else None),
                          host_compute=make_host_compute(config.host_compute, rates, store),
                          routing_trace=[] if config.record_routing else None, kv_dtype=config.kv_dtype,
-                         stage=stage, kernels=_decode_kernels(checkpoint, device, dtype, config))
+                         stage=stage)
         if mode == "mtp" and last and not mtp_supported(model):
             raise ConfigError(f"--spec mtp: {checkpoint.root} has no multi-token-prediction layers the engine "
                               f"can run (config.json num_nextn_predict_layers, MTP tensors, architecture "
@@ -154,6 +157,12 @@ def assemble(path: str | os.PathLike, config: EngineConfig, *, predictor: str = 
     except BaseException:  # a Ctrl-C may land anywhere here
         finish_despite_interrupts(lambda: close_parts(store, draft))
         raise
+
+
+def resolve_budget(budget: Budget, model_bytes: int) -> ResolvedBudget:
+    """A Budget in bytes per tier: its sizes parsed, percentages of `model_bytes`."""
+    return ResolvedBudget(device=size_bytes(budget.vram, "--vram", model_bytes),
+                          host=size_bytes(budget.ram, "--ram", model_bytes))
 
 
 def _assemble_draft(speculative: SpeculativeConfig, progress: bool, device: torch.device, dtype: torch.dtype,

@@ -1,6 +1,6 @@
 """The values each mode option accepts, one tuple per option: the code that validates an option and the argparse
 `choices` of its flag both import it from here. A leaf module (it imports nothing), so every layer may use it.
-The cache eviction policies are listed with their implementations (store/policy.py POLICIES)."""
+config.py and store/policy.py take the eviction policies' names from here too."""
 from __future__ import annotations
 
 # --spec: speculative decoding (speculative/stepper.py check_spec)
@@ -17,3 +17,5 @@ KERNEL_MODES = ("auto", "dequantize")
 # --kv-dtype: the KV cache's storage; auto: the compute dtype (bf16 on CUDA, fp32 on CPU), bf16: bf16 whatever the
 # compute dtype, fp8 (e4m3) / int8: one byte per value plus one fp32 scale per position and head (runtime/kv_storage.py)
 KV_DTYPES = ("auto", "bf16", "fp8", "int8")
+# --policy: the expert cache's eviction (store/policy.py implements each)
+POLICIES = ("lru-floor", "layer-lru", "lru", "lfu")

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from offload_engine import Budget, BudgetError, Engine, OffloadEngineError
 from offload_engine.checkpoint.model import open_model
-from offload_engine.config import ResolvedBudget
+from offload_engine.planner.placement import ResolvedBudget
 from offload_engine.runtime import kv_cache, kv_storage
 from offload_engine.store.build import plan_for
 from offload_engine.store.ledger import Ledger

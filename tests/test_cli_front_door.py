@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from offload_engine.cli import build_parser, main
-from offload_engine.cli_front import check_context
+from offload_engine.frontend.engine_flags import check_context
 from offload_engine.defaults import PACKAGE_MODEL
 from offload_engine.errors import ConfigError
 
@@ -90,7 +90,7 @@ def test_the_model_as_flag_or_positional_path(capsys, tmp_path):
     assert main(["inspect", model, "--model", str(tmp_path)]) == 2
     assert "the model is given twice" in capsys.readouterr().err
     parser = build_parser()
-    from offload_engine.cli_front import choose_model
+    from offload_engine.frontend.common import choose_model
 
     for argv in (["quantize", model, "--out", "x", "--weights", "int8"], ["serve", model], ["plan", model]):
         args = parser.parse_args(argv)
@@ -164,8 +164,8 @@ def test_help_example_runs(name, argv, stdin, tmp_path, monkeypatch, capsys):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     if name == "serve":  # serving blocks until Ctrl-C: its flags are parsed and checked as `serve` checks them
-        from offload_engine.cli_front import choose_model
-        from offload_engine.server.command import check_serve_flags
+        from offload_engine.frontend.common import choose_model
+        from offload_engine.frontend.serve import check_serve_flags
 
         args = build_parser().parse_args(argv)
         choose_model(args)

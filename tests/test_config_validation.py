@@ -194,7 +194,7 @@ def test_config_on_disk_is_what_the_tests_think(tmp_path):
 
 
 def test_the_default_device_comes_from_the_environment_and_bad_values_name_their_source(monkeypatch):
-    from offload_engine.config import resolve_device
+    from offload_engine.runtime.devices import resolve_device
     from offload_engine.errors import ConfigError
 
     monkeypatch.setenv("OFFLOAD_ENGINE_DEVICE", "cpu")

@@ -12,7 +12,7 @@ from offload_engine import Budget, Engine, EngineConfig, PrefetchConfig, Specula
 from offload_engine.cli import build_parser
 from offload_engine.errors import ConfigError
 from offload_engine.modes import DIRECT_IO_MODES, HOST_COMPUTE_MODES, PLAN_SPEC_MODES, SPEC_MODES
-from offload_engine.store.policy import POLICIES
+from offload_engine.modes import POLICIES
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -113,10 +113,10 @@ def test_the_parts_come_from_the_assembly_and_stats_from_their_snapshots(checkpo
 
 def test_the_cpu_default_dtype_follows_a_bf16_checkpoint(checkpoint_factory):
     """On a CPU the compute dtype defaults to the checkpoint's where it is bfloat16 and the CPU multiplies it
-    natively (config.resolve_dtype), float32 otherwise (stats name it, "dtype"); an explicit dtype wins."""
+    natively (runtime/devices.py resolve_dtype), float32 otherwise (stats name it, "dtype"); an explicit dtype wins."""
     import torch
 
-    from offload_engine.config import cpu_computes_bf16, resolve_dtype
+    from offload_engine.runtime.devices import cpu_computes_bf16, resolve_dtype
 
     cpu = torch.device("cpu")
     assert resolve_dtype(None, cpu, "float32") == torch.float32

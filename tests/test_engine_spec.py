@@ -8,6 +8,7 @@ import pytest
 
 from offload_engine import Budget, ConfigError, Engine
 from offload_engine.cli import main
+from offload_engine.speculative.drafters.self_draft import VIEW, RestrictedRouting
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 NEW = 40
@@ -44,6 +45,21 @@ def test_engine_spec_modes_are_lossless_at_a_quarter_budget(deepseek, reference)
         assert fixed.stats["peak_bytes"]["host"] <= fixed.stats["budget_bytes"]["host"]
 
 
+def test_self_drafting_reuses_one_view_without_native_kernels(deepseek, reference):
+    """Each spec="self" request's drafter runs the target's one kept view (CausalLM.view), built without the
+    native kernels; the tokens stay the plain decode's."""
+    with Engine.open(deepseek, budget=Budget(ram="25%"), max_context=256) as engine:
+        views = []
+        for _ in range(2):
+            out = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, spec="self")
+            assert out.token_ids == reference and out.stats["spec"] == "self"
+            views.append(engine.model.view(VIEW, RestrictedRouting))
+        assert views[0] is views[1] and views[0] is not engine.model
+        assert views[0].kernels is None and isinstance(views[0].ops, RestrictedRouting)
+        with pytest.raises(ValueError, match="one name, one wrapper"):
+            engine.model.view(VIEW, lambda ops: ops)
+
+
 def test_draft_model_is_a_second_engine_with_its_own_budget(deepseek, reference):
     with Engine.open(deepseek, budget=Budget(ram="25%"), max_context=256, spec="draft", draft_model=deepseek,
                      draft_budget=Budget(ram="50%"), spec_depth=3, spec_width=1) as engine:
@@ -73,7 +89,7 @@ def test_refusals(deepseek, checkpoint_factory):
     with Engine.open(deepseek, max_context=64) as engine:  # opened without its MTP layers
         with pytest.raises(ConfigError, match="without the checkpoint's MTP layers"):
             engine.stream(PROMPT, spec="mtp")
-        with pytest.raises(ConfigError, match="needs a draft model"):
+        with pytest.raises(ConfigError, match="without a draft model"):
             engine.generate(PROMPT, max_new_tokens=2, spec="draft")
         with pytest.raises(ConfigError, match=r"exceed the context this engine reserved in its budget \(64 tokens\)"):
             engine.stream(PROMPT, max_new_tokens=64)

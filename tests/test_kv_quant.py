@@ -16,7 +16,8 @@ import torch
 
 from offload_engine import ConfigError, Engine
 from offload_engine.assemble import SPEC_ROOM
-from offload_engine.cli import build_parser, engine_config, main
+from offload_engine.cli import build_parser, main
+from offload_engine.frontend.engine_flags import engine_config
 from offload_engine.config import EngineConfig
 from offload_engine.defaults import default_model_path
 from offload_engine.planner import kv

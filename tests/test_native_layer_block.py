@@ -1,5 +1,5 @@
 """A decode step's blocks in one native call each (runtime/kernels/native/layer_cpu.cpp: StandardOps.decode_block's
-attention block, CausalLM.moe_row's routed experts and sum) and the store's all-resident hand-over
+attention block, MoEBlock.one_row's routed experts and sum) and the store's all-resident hand-over
 (TieredStore.acquire_ready): the logits of every step are the bits of the one-kernel-at-a-time path, for plain bf16
 and int8 / int4 weights, MoE and dense layers; layers they cannot take (biases) keep that path."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from offload_engine import Budget, Engine
 from offload_engine.checkpoint.naming import UnitKey
-from offload_engine.runtime import model
+from offload_engine.runtime import moe_block
 from offload_engine.runtime.arch import base
 from offload_engine.runtime.kernels import native_build
 
@@ -46,10 +46,10 @@ def test_one_call_blocks_give_the_bits_of_the_kernels_one_by_one(arch: str, quan
     with Engine.open(path, max_context=64) as engine:
         engine.model.layer_loop_only()  # not all layers in one call (test_decode_plan.py)
         monkeypatch.setattr(base.StandardOps, "decode_block", counted(base.StandardOps.decode_block, "block"))
-        monkeypatch.setattr(model.CausalLM, "moe_row", counted(model.CausalLM.moe_row, "moe_row"))
+        monkeypatch.setattr(moe_block.MoEBlock, "one_row", counted(moe_block.MoEBlock.one_row, "moe_row"))
         ours = decode_logits(engine)
         monkeypatch.setattr(base.StandardOps, "decode_block", lambda *a: None)
-        monkeypatch.setattr(model.CausalLM, "moe_row", lambda *a: None)
+        monkeypatch.setattr(moe_block.MoEBlock, "one_row", lambda *a: None)
         theirs = decode_logits(engine)
     assert any(taken["block"]) == block and any(taken["moe_row"]) == moe_row
     assert torch.equal(ours, theirs)

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_engine.config import ResolvedBudget
 from offload_engine.errors import BudgetError, ConfigError
 from offload_engine.planner import costs
-from offload_engine.planner.commands import calibrate, scale_markdown, scale_rows, what_ifs
+from offload_engine.frontend.calibrate import calibrate, scale_markdown, scale_rows
 from offload_engine.planner.hardware import (HARDWARE_DIR, HardwareProfile, list_profiles, load_profile, probe,
                                              save_profile)
 from offload_engine.planner.formats import WeightFormat
-from offload_engine.planner.placement import KindSize, Placement, kind_sizes, plan_placement
+from offload_engine.planner.placement import KindSize, Placement, ResolvedBudget, kind_sizes, plan_placement
 from offload_engine.planner.plan import PlanOptions, load_model_spec, model_shape, plan
-from offload_engine.planner.report import memory_table, plan_json, plan_text
+from offload_engine.planner.what_ifs import what_ifs
+from offload_engine.frontend.plan_report import memory_table, plan_json, plan_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = HardwareProfile(name="toy-cpu", description="", vram_bytes=0, ram_bytes=64 << 30, gpu_mem_gbps=0,

@@ -9,7 +9,8 @@ import torch
 from offload_engine import Engine
 from offload_engine.errors import ConfigError
 from offload_engine.runtime.moe import routed_experts
-from offload_engine.store.policy import FLOOR_ROOM, POLICIES, Usage, choose_victim, resolved
+from offload_engine.modes import POLICIES
+from offload_engine.store.policy import FLOOR_ROOM, Usage, choose_victim, resolved
 from tools.trace_experts import accesses, acquisitions, main as trace_main, simulate
 
 FLOOR = 2  # experts per token per layer in these cases

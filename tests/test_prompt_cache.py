@@ -18,7 +18,8 @@ except ImportError:
     import httpx
 
 from offload_engine import ConfigError, Engine
-from offload_engine.cli import build_parser, engine_config, main
+from offload_engine.cli import build_parser, main
+from offload_engine.frontend.engine_flags import engine_config
 from offload_engine.config import Budget, EngineConfig
 from offload_engine.defaults import default_model_path
 from offload_engine.planner import kv

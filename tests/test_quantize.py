@@ -189,7 +189,7 @@ def test_sigint_at_random_points_leaves_nothing(checkpoint_factory, tmp_path):
                                         (("--weights", "int8", "--keep", "(["), "--keep"),
                                         (("--weights", "int4", "--ram", "4KiB"), "--ram")])
 def test_bad_flags_name_the_flag(flags, flag, checkpoint_factory, tmp_path):
-    from offload_engine.quantize.command import add_quantize_parser, cmd_quantize
+    from offload_engine.frontend.quantize import add_quantize_parser, cmd_quantize
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -284,7 +284,7 @@ def test_bad_calibration_file_is_refused_by_name(make, match, checkpoint_factory
 def test_bad_flags_with_calibrate_name_the_flag(flags, flag, text, checkpoint_factory, tmp_path):
     import argparse
 
-    from offload_engine.quantize.command import add_quantize_parser, cmd_quantize
+    from offload_engine.frontend.quantize import add_quantize_parser, cmd_quantize
 
     parser = argparse.ArgumentParser()
     add_quantize_parser(parser.add_subparsers())

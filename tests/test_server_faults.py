@@ -176,9 +176,9 @@ class TemperatureDropped:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def stream(self, ids, **sampling: Any):
+    def prepare(self, ids, **sampling: Any):
         sampling.pop("temperature")
-        return self._engine.stream(ids, **sampling)
+        return self._engine.prepare(ids, **sampling)
 
 
 def test_sampling_follows_temperature_and_seed(engine):

@@ -267,6 +267,15 @@ def test_unknown_and_extension_fields(client, engine, base):
     r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "spec": "mtp",
                                                          "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "spec", r.text
+    # an engine opened without a draft model: the request's field named, not the CLI's flag (--draft-model)
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "spec": "draft"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec", r.text
+    assert "--" not in r.json()["error"]["message"], r.text
+    # the draft shape is the engine's (Engine.open), not a request field: refused by name
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "spec": "ngram",
+                                                         "spec_depth": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec_depth", r.text
+    assert "--" not in r.json()["error"]["message"], r.text
     r = httpx.post(base + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "x", "name": "bob"}], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.name"

@@ -84,7 +84,7 @@ def test_layer_costs_from_unit_bytes():
 
 def test_plan_ranks_splits_a_real_config_and_refuses_what_cannot_fit(capsys):
     from offload_engine.cli import main
-    from offload_engine.planner.split_report import build_split
+    from offload_engine.frontend.split import build_split
 
     split = build_split("Kimi-K2", "4", "rtx4090-24gb", "int4", rank_ram="126GiB")
     assert [a for a, _ in split.ranges] == [0] + [b for _, b in split.ranges[:-1]] and split.ranges[-1][1] == 61

@@ -360,7 +360,7 @@ def test_the_store_reads_through_the_io_it_is_given_and_reports_one_snapshot(che
     from offload_engine.store.build import plan_for
     from offload_engine.store.ledger import Ledger
     from offload_engine.store.store import TieredStore, UnitIO
-    from offload_engine.config import ResolvedBudget
+    from offload_engine.planner.placement import ResolvedBudget
 
     checkpoint = open_model(checkpoint_factory("qwen3_moe", "offload"))
     placement, _ = plan_for(checkpoint, ResolvedBudget(None, checkpoint.total_bytes // 4), torch.device("cpu"),

@@ -13,15 +13,18 @@ MAX_LINES = 450
 # each top-level package or module of offload_engine and its place in the flow: a module may import its own
 # package and anything at its place or before it, nothing after it
 STAGES = {
-    "constants": 0, "errors": 0, "units": 0, "interrupts": 0, "defaults": 0, "modes": 0,
-    "checkpoint": 1, "tokenizer": 1, "tokenizer_tiktoken": 1,
+    "constants": 0, "errors": 0, "units": 0, "interrupts": 0, "defaults": 0, "modes": 0, "config": 0,
+    "checkpoint": 1, "formats": 1, "tokenizer": 1, "tokenizer_tiktoken": 1,
     "planner": 2, "probe": 2,
     "store": 3, "prefetch": 3,
     "runtime": 4,
     "generate": 5, "quantize": 5, "speculative": 6,
-    "config": 7, "assemble": 7, "api": 8, "distributed": 8,
-    "cli": 9, "cli_front": 9, "server": 9, "__init__": 10, "__main__": 10,
+    "assemble": 7, "api": 8, "distributed": 8,
+    "cli": 9, "frontend": 9, "server": 9, "__init__": 10, "__main__": 10,
 }
+# config.py is plain data and the checks of its options' values: it imports only these leaves (no torch), so that
+# every stage may take its options from it
+CONFIG_IMPORTS = {"constants", "errors", "modes", "units"}
 
 
 def _modules() -> list[Path]:
@@ -54,6 +57,18 @@ def test_no_module_is_a_god_file():
     long = {p.relative_to(ROOT).as_posix(): n for p in _modules()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def test_config_is_a_leaf_of_plain_data():
+    path = PACKAGE / "config.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    reached = {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+               for t in _imported(path, node)}
+    outside = {node.names[0].name for node in ast.walk(tree) if isinstance(node, ast.Import)} | {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert reached <= CONFIG_IMPORTS, f"config.py imports {sorted(reached - CONFIG_IMPORTS)} of the package"
+    assert not {m for m in outside if m and m.split(".")[0] == "torch"}, "config.py imports torch"
+    assert all(STAGES[name] == 0 for name in CONFIG_IMPORTS | {"config"})
 
 
 def test_every_module_has_a_stage():

@@ -28,8 +28,8 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from offload_engine.api import Engine  # noqa: E402
 from offload_engine.generate.decoder import FinishEvent  # noqa: E402
 from offload_engine.generate.grammar import Grammar, GrammarMatcher  # noqa: E402
-from offload_engine.generate.tool_calls import (HARMONY, SYNTAXES, CallText, Parsed, call_grammar,  # noqa: E402
-                                                detect, literal, parse)
+from offload_engine.generate.tool_calls import SYNTAXES, CallText, call_grammar, detect, literal, parse  # noqa: E402
+from offload_engine.generate.tool_parsed import Parsed  # noqa: E402
 from offload_engine.server import tools as server_tools  # noqa: E402
 from offload_engine.server.app import ServerSettings  # noqa: E402
 from offload_engine.server.protocol import ApiError, ChatRequest  # noqa: E402
@@ -282,9 +282,8 @@ def test_bad_tool_requests_are_400_naming_the_field(base):
 def test_templates_without_a_known_syntax_are_refused_by_name():
     body = ChatRequest.model_validate({"messages": MSGS, "tools": TOOLS})
     for template, why in (("{{ messages[0]['content'] }}", "no tool-call syntax"),
-                          ("<tool_call>\n<function={{ name }}>", "no tool-call syntax"),  # Qwen3-Coder's XML
-                          ("<|start|>{{ tools }}<|channel|>x<|call|>", "harmony")):
-        assert detect(template) in (None, HARMONY)
+                          ("<tool_call>\n<function={{ name }}>", "no tool-call syntax")):  # Qwen3-Coder's XML
+        assert detect(template) is None
         with pytest.raises(ApiError) as e:
             server_tools.plan(body, SimpleNamespace(chat_template=template))
         assert e.value.param == "tools" and why in e.value.message

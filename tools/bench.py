@@ -54,7 +54,7 @@ from offload_engine import Budget, Engine, PrefetchConfig  # noqa: E402
 from offload_engine.probe import (MiB, Meter, machine_info, measure_cpu_matmul_flops,  # noqa: E402
                                   measure_direct_read_bandwidth, measure_memcpy_bandwidth)
 from offload_engine.generate.decoder import FinishEvent  # noqa: E402
-from offload_engine.store.policy import POLICIES  # noqa: E402
+from offload_engine.modes import POLICIES  # noqa: E402
 from tools.bench_accelerate import run_peer  # noqa: E402
 from tools.bench_common import (EngineRun, PeerRun, Row, label, prompt_ids, reporting_interrupts,  # noqa: E402
                                 settle_freed_memory, wait_for_quiet)

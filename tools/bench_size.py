@@ -80,7 +80,8 @@ def engine_vocab(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-def engine_row(model: Path, ram: str | None, prompt_len: int, tokens: int, threads: int) -> dict[str, Any]:
+def engine_row(model: Path, ram: str | None, prompt_len: int, tokens: int, threads: int,
+               engine_threads: str = "auto") -> dict[str, Any]:
     import torch
 
     from offload_engine import Budget, Engine
@@ -92,7 +93,8 @@ def engine_row(model: Path, ram: str | None, prompt_len: int, tokens: int, threa
     vocab = engine_vocab(model)
     prompt = [(1009 * i + 17) % (vocab - 300) + 300 for i in range(prompt_len)]  # ordinary tokens, no specials
     read0, start = os_read_bytes(), time.perf_counter()
-    engine = Engine.open(model, budget=Budget(ram=ram) if ram else None, max_context=prompt_len + tokens + 8)
+    engine = Engine.open(model, budget=Budget(ram=ram) if ram else None, max_context=prompt_len + tokens + 8,
+                         threads=engine_threads)
     open_s = time.perf_counter() - start
     stamps, before, finish = [], None, None
     try:
@@ -187,7 +189,7 @@ def bound(row: SizeRow, active: int, mem_bw: float, disk_bw: float) -> None:
 # ---- the run ----------------------------------------------------------------------------------------------------
 def run_engine_row(name: str, model: Path, ram: str | None, a: argparse.Namespace) -> SizeRow:
     cmd = [sys.executable, __file__, "engine-row", str(model), "--tokens", str(a.tokens), "--prompt", str(a.prompt),
-           "--threads", str(a.threads)] + (["--ram", ram] if ram else [])
+           "--threads", str(a.threads), "--engine-threads", a.engine_threads] + (["--ram", ram] if ram else [])
     print(f"... {name}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     row = SizeRow(name, "engine", str(model), ram)
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--tokens", type=int, default=32)
         p.add_argument("--prompt", type=int, default=32)
         p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+        p.add_argument("--engine-threads", default="auto", help="the engine's threads setting (auto, or a count)")
     ap.add_argument("--gguf4", type=Path, help="the 4-bit GGUF (fits RAM)")
     ap.add_argument("--gguf8", type=Path, help="the 8-bit GGUF (beyond RAM)")
     ap.add_argument("--ct", type=Path, help="the compressed-tensors int4 copy (tools/synthetic_quant.py)")
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out/bench-size.json"))
     a = ap.parse_args(argv)
     if a.cmd == "engine-row":
-        print(json.dumps(engine_row(a.model, a.ram, a.prompt, a.tokens, a.threads)))
+        print(json.dumps(engine_row(a.model, a.ram, a.prompt, a.tokens, a.threads, a.engine_threads)))
         return 0
     from offload_engine.probe import measure_direct_read_bandwidth
     from tools.bench_physical import measure_memory_read_bandwidth

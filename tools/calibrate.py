@@ -15,7 +15,7 @@
    compute tier's hit rate and the prefetcher's recall count decode steps only; the CPU time other processes
    took during them is recorded (`others_cpu`, cores): above 0.25 the point is marked as contended.
 4. The planner for the same budget, context, position, direct I/O and effective prefetch recall
-   (commands.calibrate, the code behind `tools/plan.py --calibrate`), its expected hit rates from a routing
+   (frontend/calibrate.calibrate, the code behind `tools/plan.py --calibrate`), its expected hit rates from a routing
    trace of the model over two requests on other prompts (--trace-tokens; the planner's `--trace`, replayed
    through per-layer caches), and again with the engine's measured hit rate. The issue's check: predicted within +-25% of measured.
 
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from offload_engine import Budget, Engine  # noqa: E402
 from offload_engine.errors import OffloadEngineError  # noqa: E402
-from offload_engine.planner import commands  # noqa: E402
+from offload_engine.frontend import calibrate as calibration  # noqa: E402
 from offload_engine.planner.hardware import load_profile, probe, save_profile  # noqa: E402
 from offload_engine.probe import Meter  # noqa: E402
 from offload_engine.generate.decoder import FinishEvent  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_engine(model, pct, tier, prompt, warm, args.tokens))
         bench = {"model": {"path": str(model)}, "settings": {"prompt_len": args.prompt_len, "tokens": args.tokens},
                  "rows": [{"budget_pct": r["budget_pct"], "engine": r} for r in runs]}
-        rows, table = commands.calibrate(bench, str(model), profile, args.alpha, trace)
+        rows, table = calibration.calibrate(bench, str(model), profile, args.alpha, trace)
     except OffloadEngineError as e:
         if args.debug:
             raise

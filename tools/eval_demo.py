@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from offload_engine import Budget, Engine, EngineConfig  # noqa: E402
 from offload_engine.assemble import assemble  # noqa: E402
 from offload_engine.errors import BudgetError  # noqa: E402
-from offload_engine.prefetch.prefetcher import PrefetchConfig  # noqa: E402
+from offload_engine.config import PrefetchConfig  # noqa: E402
 from offload_engine.generate.decoder import FinishEvent, GenerationState, drive  # noqa: E402
 from offload_engine.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from offload_engine.speculative.stepper import make_stepper  # noqa: E402

@@ -22,14 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from offload_engine.errors import OffloadEngineError  # noqa: E402
-from offload_engine.planner import commands  # noqa: E402
+from offload_engine.frontend import calibrate as calibration  # noqa: E402
+from offload_engine.frontend import plan as commands  # noqa: E402
 from offload_engine.planner.hardware import load_profile  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands.add_plan_arguments(ap, model_required=False)
+    ap.add_argument("--model", help=commands.MODEL_HELP)
+    commands.add_plan_arguments(ap)
     ap.add_argument("--calibrate", metavar="BENCH_JSON", help="compare predictions with a tools/bench.py result")
     ap.add_argument("--scale-table", action="store_true", help="print the docs/SCALE.md table (markdown)")
     ap.add_argument("--debug", action="store_true")
@@ -43,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.scale_table:
-            rows = commands.scale_rows(context=args.context)
-            print(json.dumps(rows, indent=2) if args.json else commands.scale_markdown(rows))
+            rows = calibration.scale_rows(context=args.context)
+            print(json.dumps(rows, indent=2) if args.json else calibration.scale_markdown(rows))
         elif args.calibrate:
             bench = json.loads(Path(args.calibrate).read_text())
             profile = load_profile(args.hardware) if args.hardware else None
             alpha = 1.0 if "--alpha" not in (argv if argv is not None else sys.argv) else args.alpha
-            rows, table = commands.calibrate(bench, args.model, profile, alpha)
+            rows, table = calibration.calibrate(bench, args.model, profile, alpha)
             print(json.dumps(rows, indent=2) if args.json else table)
         else:
             return commands.cmd_plan(args)

@@ -3,7 +3,7 @@ does not pay.
 
 Greedy requests on one engine, alternating `--spec off` and the mode profiled (default: MTP at depth 1, width 1
 where the checkpoint has MTP layers, else n-gram; with a fixed depth and width every step speculates, so each
-is timed). Each of the model's ops (StandardOps' methods, CausalLM.moe / head / embed, the MTP head's forward,
+is timed). Each of the model's ops (StandardOps' methods, MoEBlock calls, CausalLM.head / embed, the MTP head's forward,
 the verifier) is wrapped by a timer that records its exclusive wall time (time inside nested timed ops is
 charged to them), grouped by the step's phase: off (a --spec off step), plain (a step the chooser left plain),
 draft (the drafter's proposal), verify (the target's forward over the tree and what follows it) and choose (the
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from offload_engine import Budget, Engine  # noqa: E402
 from offload_engine.generate.decoder import PlainStepper  # noqa: E402
+from offload_engine.runtime.moe_block import MoEBlock  # noqa: E402
 from offload_engine.runtime.mtp import MtpHead  # noqa: E402
 from offload_engine.speculative import stepper as stepper_module  # noqa: E402
 from offload_engine.speculative.stepper import SpeculativeStepper  # noqa: E402
@@ -42,7 +43,9 @@ from tools.bench_spec import PROMPTS  # noqa: E402
 # the architecture's ops timed (wrapped on the engine's own ops object)
 OPS = ("embed", "input_norm", "attention", "post_norm", "route", "expert", "shared_experts", "dense_mlp",
        "decode_block", "logits", "mtp_input", "mtp_output", "final_norm", "head_logits")
-MODEL_OPS = ("moe", "moe_row")  # CausalLM: what remains of moe once its nested ops are charged (dispatch, combine)
+# the MoE blocks (runtime/moe_block.py, the trunk's and the MTP layers'): what remains of a call once its nested
+# ops are charged (dispatch, combine), and of a one-token step's one native call
+MODEL_OPS = (("__call__", "moe"), ("one_row", "moe_row"))
 
 
 class Timers:
@@ -92,8 +95,8 @@ class Timers:
 def instrument(engine: Engine, timers: Timers) -> None:
     for name in OPS:
         timers.wrap(engine.model.ops, name)
-    for name in MODEL_OPS:
-        timers.wrap(engine.model, name)
+    for name, label in MODEL_OPS:
+        timers.wrap(MoEBlock, name, label)
     timers.wrap(engine.model, "head", "head (unit)")
     timers.wrap(engine.model, "embed", "embed (unit)")
     # the phases: a plain stepper's step, the speculative stepper's proposal and verification

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from offload_engine.runtime.moe import routed_experts  # noqa: E402
-from offload_engine.store.policy import POLICIES, Usage, choose_victim  # noqa: E402
+from offload_engine.modes import POLICIES  # noqa: E402
+from offload_engine.store.policy import Usage, choose_victim  # noqa: E402
 
 
 def routing_trace(model, prompts: list, tokens: int, context: int, **sampling) -> dict:

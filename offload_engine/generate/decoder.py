@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tokenizer import StreamDecoder, Tokenizer
+from .request import check_prompt
 from .sampling import Sampler, SamplingParams, TokenLogprob
 
 
@@ -228,13 +229,3 @@ def decode_stream(model: CausalLMLike, prompt_ids: Sequence[int], params: Sampli
         cache = model.new_cache(len(prompt) + params.max_new_tokens)
     stepper = PlainStepper(model, cache, Sampler(params))
     return drive(stepper, prompt, state)
-
-
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ConfigError("prompt is empty: give at least one token (e.g. the BOS token)")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ConfigError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
-    return prompt

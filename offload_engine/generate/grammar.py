@@ -12,6 +12,7 @@ Under speculative decoding each draft-tree row gets the mask of its own path (th
 computes the mask, and rolls them back), so the verifier sees the same constrained distribution as plain decoding."""
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from dataclasses import dataclass
@@ -131,6 +132,28 @@ def _lltokenizer(tokenizer: Any, vocab_size: int) -> Any:
     return cache[vocab_size]
 
 
+_SPECIALS: "weakref.WeakKeyDictionary[Any, dict[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer: Any, vocab_size: int) -> frozenset[int]:
+    """The ids llguidance reads as special tokens (they match only a grammar's <[id]>)."""
+    cache = _SPECIALS.setdefault(tokenizer, {})
+    if vocab_size not in cache:
+        lt = _lltokenizer(tokenizer, vocab_size)
+        cache[vocab_size] = frozenset(i for i in range(vocab_size) if lt.is_special_token(i))
+    return cache[vocab_size]
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text` tokenized with special-token text read as plain text."""
+    backend = tokenizer.backend
+    if hasattr(backend, "encoding"):  # tiktoken
+        return backend.encoding.encode_ordinary(text)
+    plain = copy.copy(backend)
+    plain.encode_special_tokens = True
+    return plain.encode(text, add_special_tokens=False).ids
+
+
 class GrammarMatcher:
     """One request's grammar state: the allowed next tokens after the accepted ones (plus a draft path, for a
     speculative verifier's tree rows), then `advance` by the tokens accepted."""
@@ -144,6 +167,8 @@ class GrammarMatcher:
         self._check()
         self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self._tokenizer = tokenizer
+        self._specials = torch.tensor(sorted(_special_ids(tokenizer, vocab_size) | self._eos), dtype=torch.long)
 
     def _check(self) -> None:
         if self._matcher.is_error():
@@ -153,7 +178,31 @@ class GrammarMatcher:
         """bool [V]: the tokens the grammar allows next (EOS once the output is complete)."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self._check()
-        return ((self._bits[:, None] >> self._shifts) & 1).flatten()[:self.vocab_size].bool()
+        allowed = ((self._bits[:, None] >> self._shifts) & 1).flatten()[:self.vocab_size].bool()
+        return self._special_text(allowed) if self._specials.numel() else allowed
+
+    def _special_text(self, allowed: torch.Tensor) -> torch.Tensor:
+        """llguidance's quirk: where the grammar forces text that equals a special token's (a JSON const
+        "<|im_end|>"), the mask allows that special token, which the grammar then refuses (special tokens only
+        match <[id]>, as the tool-call grammars name them). Such a token leaves the mask; if nothing is left, the
+        forced text's first token as plain text (the tokenizer not reading special tokens in it) takes its place."""
+        dropped = False
+        for t in self._specials[allowed[self._specials]].tolist():
+            if t in self._eos and self._matcher.is_accepting():
+                continue  # the output may end here
+            if self._matcher.try_consume_tokens([t]) == 1:
+                self._matcher.rollback(1)
+            else:
+                allowed[t], dropped = False, True
+        if dropped and not allowed.any():
+            forced = self._matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+            ids = _plain_ids(self._tokenizer, forced)
+            if not ids or self._matcher.try_consume_tokens(ids[:1]) != 1:
+                raise ConfigError(f"{self.grammar.name}: the grammar forces the text {forced!r}, which this "
+                                  "tokenizer cannot write (it names a special token)")
+            self._matcher.rollback(1)
+            allowed[ids[0]] = True
+        return allowed
 
     def masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """bool [R, V]: row r allows what the grammar allows after the accepted tokens + paths[r]. A row whose path

@@ -9,7 +9,8 @@ Syntaxes (their exact shapes are those of vLLM's and SGLang's parsers for these 
   kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}
                 <|tool_call_end|>...<|tool_calls_section_end|>
   llama3_json   the whole answer is {"name": "f", "parameters": {...}} (optionally after <|python_tag|>)
-gpt-oss's harmony format is not parsed (`detect` names it, the server refuses its tools).
+  harmony       gpt-oss: <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>, one per turn
+                (its parser and grammar: harmony.py, which `parse` and `call_grammar` here hand it to)
 
 The parser is incremental: `parse(text, final=False)` on a growing text returns content and calls whose text only
 ever grows (held back: a partial marker, trailing whitespace, an undecided call head), so a stream can send the
@@ -19,15 +20,16 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Sequence
+
+from . import harmony
+from .tool_parsed import Parsed, ParsedCall, json_rule
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (so names need no escaping)
 _JSON_HEAD = r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 _DECODER = json.JSONDecoder()
-# compact JSON, as the structured-output grammars write it (grammar.py's JSON_OPTIONS)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,15 @@ SYNTAXES = {s.name: s for s in (
                     "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
     Syntax("llama3_json", "", r"\s*(?:<\|python_tag\|>)?\s*" + _JSON_HEAD, close="}", separator="; ",
            parallel=False, markers=("<|python_tag|>",), arguments_as_text=False),
+    # gpt-oss (harmony.py reads it): <|call|> ends the turn, so one call; its template applies tojson to arguments
+    Syntax("harmony", "", "", parallel=False, arguments_as_text=False, markers=harmony.MARKERS),
 )}
-HARMONY = "harmony"  # gpt-oss: recognised, not supported
+HARMONY = "harmony"
 
 
-def detect(template: str | None) -> Syntax | str | None:
-    """The tool-call syntax a chat template writes (its assistant turns render calls that way); HARMONY for gpt-oss,
-    None when the template shows no syntax this module knows."""
+def detect(template: str | None) -> Syntax | None:
+    """The tool-call syntax a chat template writes (its assistant turns render calls that way), None when the
+    template shows no syntax this module knows."""
     if not template:
         return None
     if _DS[0] in template:
@@ -92,7 +96,7 @@ def detect(template: str | None) -> Syntax | str | None:
     if "<|tool_calls_section_begin|>" in template:
         return SYNTAXES["kimi_k2"]
     if "<|channel|>" in template and "<|call|>" in template:
-        return HARMONY
+        return SYNTAXES[HARMONY]
     if "<tool_call>" in template and "<function=" not in template:  # Qwen3-Coder's XML calls: not read
         return SYNTAXES["hermes"]
     if "<|start_header_id|>" in template and '"parameters": ' in template:
@@ -102,23 +106,11 @@ def detect(template: str | None) -> Syntax | str | None:
 
 # ---------------------------------------------------------------------------------------------- parsing
 
-@dataclass
-class ParsedCall:
-    name: str
-    arguments: str  # the JSON text as generated (so far)
-    closed: bool
-    native_id: str | None = None  # Kimi K2's "functions.f:0", which its template renders back
-
-
-@dataclass
-class Parsed:
-    content: str
-    calls: list[ParsedCall] = field(default_factory=list)
-
-
 def parse(syntax: Syntax, text: str, final: bool = True) -> Parsed:
     """Content and calls of `text`. Not final: only what can no longer change (see the module docstring); final,
     an answer with no recognisable call is all content, and content before calls loses its trailing whitespace."""
+    if syntax.name == HARMONY:  # a grammar of channels and headers, not a call marker + JSON: harmony.py reads it
+        return harmony.parse(text, final)
     start = _trigger(syntax, text)
     if start is None:
         return Parsed(text if final else text[:len(text) - _partial_trigger(syntax, text)].rstrip())
@@ -247,20 +239,19 @@ def literal(tokenizer: Any, text: str) -> str:
     return f"<[{tid}]>" if tid is not None else json.dumps(text, ensure_ascii=False)
 
 
-def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
-
-
 def call_grammar(syntax: Syntax, functions: Sequence[tuple[str, dict]], parallel: bool,
-                 lit: Callable[[str], str]) -> str:
+                 lit: Callable[[str], str], *, call_ends: bool = False) -> str:
     """A Lark grammar (llguidance) whose sentences are one call (or, with `parallel`, one or more) to one of
-    `functions` ((name, parameters schema), names matching NAME) in the syntax, arguments valid for the schema."""
+    `functions` ((name, parameters schema), names matching NAME) in the syntax, arguments valid for the schema.
+    call_ends (harmony only): the tokenizer's EOS includes <|call|>, so the grammar's end lets it through."""
+    if syntax.name == HARMONY:
+        return harmony.call_grammar(functions, lit, call_ends)
     rules = []
     if syntax.name in ("hermes", "llama3_json"):  # name and arguments inside one JSON object
         key = "arguments" if syntax.name == "hermes" else "parameters"
         body = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: s},
                            "required": ["name", key], "additionalProperties": False} for n, s in functions]}
-        rules.append(f"fn: {_json(body)}")
+        rules.append(f"fn: {json_rule(body)}")
         call = f'{lit("<tool_call>")} "\\n" fn "\\n" {lit("</tool_call>")}' if syntax.name == "hermes" else "fn"
     else:
         for i, (n, s) in enumerate(functions):
@@ -273,7 +264,7 @@ def call_grammar(syntax: Syntax, functions: Sequence[tuple[str, dict]], parallel
                 head = f'{lit("<|tool_call_begin|>")} "functions.{n}:" /[0-9]+/ {lit("<|tool_call_argument_begin|>")}'
                 tail = lit("<|tool_call_end|>")
             rules.append(f"fn{i}: {head} args{i} {tail}")
-            rules.append(f"args{i}: {_json(s)}")
+            rules.append(f"args{i}: {json_rule(s)}")
         call = " | ".join(f"fn{i}" for i in range(len(functions)))
     rules.append(f"call: {call}")
     sequence = "call"

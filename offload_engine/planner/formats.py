@@ -23,6 +23,7 @@ from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.naming import TensorSpec, UnitKey
 from ..checkpoint.quant_config import QuantConfig, parse_quant_config
 from ..errors import ConfigError, OffloadEngineError
+from ..formats.registry import for_method
 from .kernel_room import room_for
 from .quant_sizes import FLOAT_BITS, describe, nominal_bits, quant_spec_for, quantized_bytes, tensor_bytes
 
@@ -139,9 +140,8 @@ class WeightFormat:
 
 
 def _scale_names(method: str, hf_name: str) -> tuple[str, ...]:
-    module = hf_name.removesuffix(".weight")
-    return {"fp8": (hf_name + "_scale_inv",), "compressed-tensors": (hf_name + "_scale",),
-            "gptq": (module + ".scales",), "awq": (module + ".scales",)}.get(method, ())
+    fmt = for_method(method)
+    return fmt.scale_names(hf_name) if fmt is not None else ()
 
 
 def stored_dtypes(spec: ModelSpec) -> Mapping[str, str]:

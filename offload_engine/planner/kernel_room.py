@@ -21,46 +21,24 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..checkpoint.formats import PRIMARY, QuantSpec, decode
-from ..checkpoint.gguf.config import GGUF_NATIVE_TYPES
+from ..formats.registry import format_of
 
-INT4_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
-# GGUF types of 4-bit values with one scale and one offset per 32 inputs (runtime/gguf_dequant.int4_parts)
-GGUF_INT4_TYPES = ("Q4_0", "Q4_K")
 ALIGN = 64  # each tensor carved from a slot's tail starts on this boundary
 
 
 def int4_group(q: QuantSpec) -> int | None:
     """The kernel group size for a weight whose format groups `q.group` inputs (all of them for channel
-    strategies): the largest kernel size dividing it (scales repeated), or None."""
-    if q.kind == "gguf":
-        return 32 if q.gtype in GGUF_INT4_TYPES and not q.out % 16 and not q.inp % 32 else None
-    span = q.inp if q.strategy == "channel" or q.group == 0 else q.group
-    if q.out % 16 or q.inp % 2:
-        return None
-    return next((g for g in INT4_GROUPS if span % g == 0 and q.inp % g == 0), None)
-
-
-def is_fp8(q: QuantSpec) -> bool:
-    return q.kind == "fp8_block" or (q.kind == "ct_naive" and q.float_values)
+    strategies): the largest kernel size dividing it (scales repeated), or None (its format says:
+    WeightFormat.int4_group)."""
+    return format_of(q).int4_group(q)
 
 
 def cpu_path(q: QuantSpec, gguf_native: bool = False) -> str | None:
     """cpu_int4 | cpu_int8 | cpu_dense | cpu_gguf for a weight stored as `q` that takes a CPU form, else None
     (dequantize). gguf_native: the compute is bf16 (itemsize 2), where the native kernels read GGUF blocks in place
-    (cpu_gguf); in float32 Q4_0 / Q4_K take torch's int4 kernel (scales in float32, exact)."""
-    if is_fp8(q):
-        return "cpu_dense"
-    if gguf_native and q.kind == "gguf" and q.gtype in GGUF_NATIVE_TYPES:
-        return "cpu_gguf"
-    if q.kind.startswith("gguf"):  # Q4_0 / Q4_K; the other GGUF types are dequantized
-        return "cpu_int4" if int4_group(q) is not None else None
-    if q.bits == 4 and q.kind in ("ct_pack", "gptq", "awq") and int4_group(q) is not None:
-        return "cpu_int4"
-    if q.bits == 8 and not q.float_values and (
-            (q.kind in ("ct_pack", "ct_naive") and q.strategy == "channel")
-            or (q.kind == "gptq" and q.group == q.inp)):
-        return "cpu_int8"
-    return None
+    (cpu_gguf); in float32 Q4_0 / Q4_K take torch's int4 kernel (scales in float32, exact). Each format answers
+    for its own weights (WeightFormat.cpu_path)."""
+    return format_of(q).cpu_path(q, gguf_native)
 
 
 def aligned(nbytes: int) -> int:
@@ -89,7 +67,7 @@ def data_bytes(q: QuantSpec, path: str, itemsize: int) -> int:
     dense form: its whole matrix, the tail's rows included; int-quantized int8 is used as stored: none)."""
     if path == "cpu_dense":
         return q.out * q.inp * itemsize - tail_bytes(q, path, itemsize)
-    if (path == "cpu_int8" and q.kind == "ct_naive") or path == "cpu_gguf":
+    if (path == "cpu_int8" and format_of(q).int8_as_stored) or path == "cpu_gguf":
         return 0
     return q.out * q.inp // 2 if path == "cpu_int4" else q.out * q.inp
 

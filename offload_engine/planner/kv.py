@@ -3,9 +3,7 @@ Engine.open charges (the engine adds its speculation room and rollback logs thro
 from __future__ import annotations
 
 from ..checkpoint.hf_config import ModelSpec
-from ..errors import ConfigError
-from ..modes import KV_DTYPES
-from ..units import parse_bytes
+from ..config import check_cache_ram, check_kv_dtype
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + full attention
 
@@ -25,13 +23,6 @@ def layer_types(spec: ModelSpec) -> list[str]:
 KV_VALUE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}  # --kv-dtype -> bytes per cached value ("auto": the compute dtype's)
 QUANTIZED_KV = ("fp8", "int8")  # with one fp32 scale per row (one position's head of K or V, MLA's latent or rope key)
 KV_SCALE_BYTES = 4
-
-
-def check_kv_dtype(kv_dtype: object) -> str:
-    """The one check of a --kv-dtype value (EngineConfig, KVCache and the planner all call it)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    return kv_dtype
 
 
 def kv_row_bytes(width: int, kv_dtype: str, itemsize: int) -> int:
@@ -120,21 +111,22 @@ CACHE_RAM_AUTO_SHARE = 32
 CACHE_RAM_AUTO_MAX = 1 << 30
 
 
-def check_cache_ram(value: object) -> None:
-    """The one check of a --cache-ram value: 'auto', 0 (off), or a size as --ram takes it ('2GiB', '5%')."""
-    if value != "auto":
-        prompt_cache_bytes(value, None, 1)
-
-
 def prompt_cache_bytes(value: object, host_budget: int | None, model_bytes: int) -> int:
     """--cache-ram in bytes: a size ('512MiB', '2GiB', 0: off; a percentage is of the model's bytes, as --ram's),
     or 'auto': 1/CACHE_RAM_AUTO_SHARE of the host budget, at most CACHE_RAM_AUTO_MAX (that without a budget)."""
-    if value == "auto":
+    size = check_cache_ram(value, model_bytes)
+    if size is None:  # auto
         return CACHE_RAM_AUTO_MAX if host_budget is None else min(CACHE_RAM_AUTO_MAX,
                                                                   host_budget // CACHE_RAM_AUTO_SHARE)
-    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-        raise ConfigError(f"--cache-ram must be 'auto' or a size like '2GiB' (0: off), got {value!r}")
-    try:
-        return parse_bytes(value, what="--cache-ram", total=model_bytes)
-    except ValueError as e:
-        raise ConfigError(f"{e} (or 'auto'; 0 turns the prompt cache off)") from None
+    return size
+
+
+def context_limit(spec: ModelSpec) -> int:
+    """The positions a model supports: max_position_embeddings, or the original length times the rope scaling's
+    factor where a scaling stretches it further (YaRN, llama3, longrope, linear, dynamic)."""
+    limit = spec.max_position_embeddings
+    params = spec.rope.params
+    if spec.rope.rope_type != "default" and isinstance(params.get("factor"), (int, float)):
+        original = params.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(original * params["factor"]))
+    return limit

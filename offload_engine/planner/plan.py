@@ -227,7 +227,7 @@ SPEC_DEFAULTS = {"mtp": (1, 0.85), "ngram": (3, 0.35)}  # (drafts, per-position 
 
 def kv_itemsize(profile: HardwareProfile, spec: ModelSpec) -> int:
     """The compute dtype's bytes: the engine computes in bf16 on CUDA, and on a CPU for a bf16 checkpoint
-    (config.resolve_dtype; the profile's CPU is taken to multiply bf16 natively, as server CPUs since 2020 do),
+    (runtime/devices.py resolve_dtype; the profile's CPU is taken to multiply bf16 natively, as server CPUs since 2020 do),
     else in fp32."""
     return 2 if profile.has_gpu or spec.dtype == "bfloat16" else 4
 

@@ -11,27 +11,15 @@ import re
 from ..checkpoint.formats import QuantSpec, is_linear_weight
 from ..checkpoint.naming import TensorSpec
 from ..checkpoint.quant_config import QuantConfig
+from ..formats.registry import FORMATS, for_method, format_of
+from ..formats.spec import DTYPE_BYTES  # noqa: F401
 
 FLOAT_BITS = {"F64": 64.0, "F32": 32.0, "BF16": 16.0, "F16": 16.0}
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
-# the scales' dtype where the checkpoint's headers do not say: fp8 blocks' weight_scale_inv is float32 in the
-# releases; compressed-tensors bf16 (the releases' model dtype, as tools/quant_writers.py writes it); GPTQ and
-# AWQ fp16; MXFP4 e8m0 bytes
-SCALE_DTYPES = {"fp8_block": "F32", "ct_pack": "BF16", "ct_naive": "BF16", "gptq": "F16", "awq": "F16", "mxfp4": "U8"}
+# the scales' dtype where the checkpoint's headers do not say, by format (each format's scale_dtype: fp8 blocks'
+# weight_scale_inv float32 as in the releases; compressed-tensors bf16; GPTQ and AWQ fp16; MXFP4 e8m0 bytes)
+SCALE_DTYPES = {kind: f.scale_dtype for kind, f in FORMATS.items() if f.scale_dtype}
 # kept as stored by the writers and the releases (tools/quant_writers._KEEP, and gpt-oss's router)
 _KEEP = re.compile(r"(embed_tokens|lm_head|shared_head\.head|norm|mlp\.gate$|shared_expert_gate$|router|visual\.)")
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _listed(module: str, patterns: tuple[str, ...]) -> bool:
-    """fp8 modules_to_not_convert: a module name, a prefix of it, or a glob (gpt-oss: 'model.layers.*.self_attn')."""
-    import fnmatch
-
-    return any(module == p or module.startswith(p + ".") or fnmatch.fnmatch(module, p)
-               or fnmatch.fnmatch(module, p + ".*") for p in patterns)
 
 
 def quant_spec_for(cfg: QuantConfig, kind: str, ts: TensorSpec) -> QuantSpec | None:
@@ -41,66 +29,17 @@ def quant_spec_for(cfg: QuantConfig, kind: str, ts: TensorSpec) -> QuantSpec | N
     module = ts.hf_name.removesuffix(".weight")
     if _KEEP.search(module):
         return None
-    out, inp = ts.shape
-    if cfg.method == "fp8":
-        if _listed(module, cfg.not_convert):
-            return None
-        return QuantSpec("fp8_block", out, inp, strategy="block", block=cfg.block or (128, 128))
-    if cfg.method == "compressed-tensors":
-        s = cfg.scheme_for(module)
-        if s is None:
-            return None
-        return QuantSpec("ct_pack" if s.format == "pack-quantized" else "ct_naive", out, inp, bits=s.num_bits,
-                         strategy=s.strategy, group=s.group_size or 0, block=s.block or (0, 0),
-                         symmetric=s.symmetric, float_values=s.type == "float")
-    if cfg.method in ("gptq", "awq"):
-        return QuantSpec(cfg.method, out, inp, bits=cfg.bits, group=inp if cfg.group_size == -1 else cfg.group_size,
-                         symmetric=cfg.sym, zero_offset=cfg.zero_offset)
-    if cfg.method == "mxfp4" and kind == "expert":
-        return QuantSpec("mxfp4", out, inp, bits=4, group=32)
-    return None
-
-
-def ct_scale_shape(q: QuantSpec) -> tuple[int, ...]:
-    if q.strategy == "group":
-        return q.out, _ceil(q.inp, q.group)
-    if q.strategy == "channel":
-        return q.out, 1
-    if q.strategy == "block":
-        return _ceil(q.out, q.block[0]), _ceil(q.inp, q.block[1])
-    return (1,)
+    fmt = for_method(cfg.method)
+    return None if fmt is None else fmt.planned(cfg, kind, module, *ts.shape)
 
 
 def quant_parts(q: QuantSpec, scale_dtype: str | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
-    """part -> (shape, safetensors dtype) of the tensors that store the weight `q` describes."""
-    sd = scale_dtype or SCALE_DTYPES[q.kind]
-    o, i = q.out, q.inp
-    if q.kind == "fp8_block":
-        return {"q": ((o, i), "F8_E4M3"), "scale": ((_ceil(o, q.block[0]), _ceil(i, q.block[1])), sd)}
-    if q.kind in ("ct_pack", "ct_naive"):
-        scale = ct_scale_shape(q)
-        packed = q.kind == "ct_pack"
-        parts = {"q": ((o, _ceil(i * q.bits, 32)), "I32") if packed else
-                 ((o, i), "F8_E4M3" if q.float_values else "I8"), "scale": (scale, sd)}
-        if packed:
-            parts["shape"] = ((2,), "I64")
-        if not q.symmetric:  # packed: along the output dimension
-            parts["zero"] = ((_ceil(scale[0] * q.bits, 32), *scale[1:]), "I32") if packed else (scale, "I8")
-        return parts
-    if q.kind in ("gptq", "awq"):
-        per, groups = 32 // q.bits, _ceil(i, q.group)
-        parts = {"q": ((i // per, o), "I32") if q.kind == "gptq" else ((i, o // per), "I32"),
-                 "zero": ((groups, o // per), "I32"), "scale": ((groups, o), sd)}
-        if q.kind == "gptq":
-            parts["g_idx"] = ((i,), "I32")
-        return parts
-    if q.kind == "mxfp4":
-        return {"q": ((o, i // 32, 16), "U8"), "scale": ((o, i // 32), "U8")}
-    raise ValueError(f"no byte formula for weight format {q.kind!r}")
+    """part -> (shape, safetensors dtype) of the tensors that store the weight `q` describes (its format's)."""
+    return format_of(q).parts(q, scale_dtype)
 
 
 def quantized_bytes(q: QuantSpec, scale_dtype: str | None = None) -> int:
-    return sum(math.prod(shape) * DTYPE_BYTES[dtype] for shape, dtype in quant_parts(q, scale_dtype).values())
+    return format_of(q).nbytes(q, scale_dtype)
 
 
 def tensor_bytes(numel: int, bits: float) -> int:

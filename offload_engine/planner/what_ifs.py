@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BudgetError, ConfigError
@@ -15,7 +16,21 @@ from ..units import format_bytes
 from .formats import FORMAT_BITS
 from .hardware import HardwareProfile, list_profiles, load_profile
 from .plan import Plan, plan
-from .report import WhatIf
+
+# a what-if row (what_ifs finds them: the smallest change that doubles the speed first)
+@dataclass(frozen=True)
+class WhatIf:
+    change: str
+    tok_s: float | None  # expected decode tok/s after the change; None: infeasible
+    factor: float | None
+    bottleneck: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "tok_s": None if self.tok_s is None else round(self.tok_s, 4),
+                "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
+                "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
+
 
 BUDGET_STEPS = (1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 CONTEXT_STEPS = (2, 4, 8)  # --context divided by these

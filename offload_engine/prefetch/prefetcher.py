@@ -28,30 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.naming import UnitKey
-from ..errors import ConfigError
-from ..store.eviction import PREFETCH_SLOTS
+from ..config import PrefetchConfig
 from .predictor import ExpertPredictor
-
-
-@dataclass(frozen=True)
-class PrefetchConfig:
-    enabled: bool = True
-    depth: int = 1  # MoE layers ahead
-    margin: int = 2  # candidates beyond top-k per token
-    min_prob: float = 0.05
-    adaptive: bool = True  # PayCheck: expert prefetching only while it measurably makes forwards faster
-    reads: int = 1  # expert reads started per token at each layer at most, likeliest first (wrong ones cost disk)
-    slots: int = PREFETCH_SLOTS  # the store's quota of prefetched, unused units per kind (TieredStore(prefetch_slots))
-    # MoE layers whose routing a layer waiting for reads predicts (0: off; CausalLM._route_ahead). 2: where the
-    # disk is the bound, reads started two layers early keep it busy (realistic routing at 25% on a 1.5 GB/s
-    # disk, 9 runs each alternated: 19.5 -> 22.4 tok/s; random routing 42.2 -> 43.8; docs/PERF.md session 25)
-    route_ahead: int = 2
-
-    def __post_init__(self):
-        for name, least in (("depth", 1), ("margin", 0), ("reads", 0), ("slots", 0), ("route_ahead", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"PrefetchConfig.{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 When every unit is pinned in the compute tier (the budget holds the whole model: nothing streams, so nothing is
 prefetched or evicted), a decode step's layers are the same calls every token: `StandardOps.decode_block`
-(attention block and router), the router's softmax / top-k and `CausalLM.moe_row` (the routed experts, their
+(attention block and router), the router's softmax / top-k and `MoEBlock.one_row` (the routed experts, their
 sum and the residual). `DecodePlan` hands the native side (kernels/native/decode_plan.cpp) every layer's kernel
 forms once, then runs those calls for all layers per step: the same kernels in the same order, so the same bits
 as the layer loop (tests/test_decode_plan.py compares every step's logits with `torch.equal`), without the

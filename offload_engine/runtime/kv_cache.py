@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..config import check_kv_dtype
 from ..errors import BudgetError
-from ..planner.kv import check_kv_dtype
 from .kv_storage import KVStorage, PlainStorage, new_storage
 
 RecurrentState = tuple[torch.Tensor, ...]

@@ -2,12 +2,13 @@
 
 `dense(w, name, dtype)` returns `w[name]` when the unit holds it as a plain tensor, and otherwise dequantizes it
 from its stored components (checkpoint/formats.py names them `<name>@q:<tag>`, `<name>@scale`, ...) into a
-scratch tensor of the compute dtype on the weights' device. Nothing is cached: the unit's bytes stay quantized
-in every tier (bytes moved = bytes on disk) and the dense copy lives only while the op that asked uses it.
+scratch tensor of the compute dtype on the weights' device (the weight's format does it: formats/). Nothing is
+cached: the unit's bytes stay quantized in every tier (bytes moved = bytes on disk) and the dense copy lives only
+while the op that asked uses it.
 
 `linear(x, w, name)` first asks runtime/kernels/select.py for a fast path: the kernel forms the store added to
 the unit when its views were built (EngineConfig.kernels "auto"); without them it dequantizes then multiplies
-(runtime/dequant.py). docs/FORMATS.md says which path each format takes on each device.
+(formats/: WeightFormat.dequantize). docs/FORMATS.md says which path each format takes on each device.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.formats import PRIMARY, decode, part_name
-from . import dequant, gguf_dequant
+from ..checkpoint.formats import PRIMARY, decode
+from ..formats.registry import format_of
+from ..formats.spec import Components
 from .kernels import decode as decode_kernels
 from .kernels.select import W as KERNEL_FORM
 from .kernels.select import fast_linear, kernel_dense
@@ -50,27 +52,7 @@ def dense(w: Weights, name: str, dtype: torch.dtype | None = None) -> torch.Tens
             raise KeyError(name)
         return got
     q = decode(key[len(name) + len(PRIMARY):])
-    if q.kind == "gguf":  # GGUF block types carry their scales inside the blocks
-        return gguf_dequant.weight(w[key], q, dtype or torch.float32)
-    if q.kind == "gguf_kvb":
-        return gguf_dequant.kv_b(w[key], w[part_name(name, "vb")], q, dtype or torch.float32)
-    data, scale = w[key], w[part_name(name, "scale")]
-    if dtype is None:
-        dtype = scale.dtype if scale.is_floating_point() else torch.float32
-    if q.kind == "fp8_block":
-        return dequant.fp8_block(data, scale, q, dtype)
-    zero = w.get(part_name(name, "zero"))
-    if q.kind == "ct_pack":
-        return dequant.ct_pack(data, scale, zero, q, dtype)
-    if q.kind == "ct_naive":
-        return dequant.ct_naive(data, scale, zero, q, dtype)
-    if q.kind == "gptq":
-        return dequant.gptq(data, zero, scale, w.get(part_name(name, "g_idx")), q, dtype)
-    if q.kind == "awq":
-        return dequant.awq(data, zero, scale, q, dtype)
-    if q.kind == "mxfp4":
-        return dequant.mxfp4(data, scale, q, dtype)
-    raise ValueError(f"weight {name}: unknown stored format {q.kind!r}")
+    return format_of(q).dequantize(q, Components(w, name, w[key]), dtype)
 
 
 def embedding(w: Weights, name: str, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -82,17 +64,18 @@ def embedding(w: Weights, name: str, tokens: torch.Tensor, dtype: torch.dtype) -
     if key is None:
         raise KeyError(name)
     q = decode(key[len(name) + len(PRIMARY):])
-    if q.kind == "gguf":
-        return gguf_dequant.rows(w[key], tokens, q, dtype)
+    got = format_of(q).rows(q, Components(w, name, w[key]), tokens, dtype)
+    if got is not None:  # a GGUF table decodes only the rows looked up
+        return got
     return F.embedding(tokens, dense(w, name, dtype))
 
 
-def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None,
+           kernels: "decode_kernels.DecodeKernels | None" = None) -> torch.Tensor:
     """F.linear(x, weight `name`, bias `bias` if the unit has it), whatever format the weight is stored in; a
     plain or int8 / int4 weight takes the native decode kernel where it was chosen for its shape
-    (kernels/decode.py)."""
+    (kernels/decode.py: `kernels`, the model's, which its ops pass on)."""
     plain = w.get(name)
-    kernels = decode_kernels.active.get()
     if plain is not None:
         y = kernels.linear(x, plain) if kernels is not None else None
     else:
@@ -105,12 +88,12 @@ def linear(x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> t
     return y if b is None else y + b
 
 
-def linears(x: torch.Tensor, w: Weights, names: list[str], biases: list[str | None]) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, w: Weights, names: list[str], biases: list[str | None],
+            kernels: "decode_kernels.DecodeKernels | None" = None) -> list[torch.Tensor]:
     """linear() of one input by several weights of the unit (an attention's q, k and v): one native call where
     they all take the same native kernel (kernels/decode.py DecodeKernels.linears), the same bits as one by one."""
-    kernels = decode_kernels.active.get()
     ys = kernels.linears(x, w, names) if kernels is not None else None
     if ys is None:
-        return [linear(x, w, name, bias) for name, bias in zip(names, biases)]
+        return [linear(x, w, name, bias, kernels) for name, bias in zip(names, biases)]
     added = [None if bias is None else w.get(bias) for bias in biases]
     return [y if b is None else y + b for y, b in zip(ys, added)]

@@ -1,8 +1,6 @@
 """The layer loop: embeddings, decoder layers, head, with weights asked for unit by unit."""
 from __future__ import annotations
 
-import time
-from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -15,13 +13,13 @@ from ..errors import BudgetError, out_of_memory_as_error
 from . import decode_plan
 from .arch import build_ops
 from .arch.base import LayerOps
-from .kernels.decode import MAX_ROWS, DecodeKernels, using
-from .kernels.int_experts import IntExpert
+from .kernels.decode import DecodeKernels
 from .kv_cache import KVCache
 from .layers import causal_mask
-from .host_compute import HostCompute, HostInputs
-from .moe import SMALL_ROWS, RowRouting, combine, expert_part, native_parts, routed_experts
-from .weights import Weights, WeightSource, hold, lookup
+from .host_compute import HostCompute
+from .moe import routed_experts
+from .moe_block import MoEBlock
+from .weights import WeightSource, hold, lookup
 
 
 class CausalLM:
@@ -39,12 +37,17 @@ class CausalLM:
         appended to, as (layer, [experts per token]) (tools/trace_experts.py); kv_dtype: how its caches store
         attention entries (modes.KV_DTYPES, kv_storage.py); stage: the decoder layers this model runs, one rank's
         part of a pipeline (distributed/pipeline.py drives `embed`, `run_layers` and `head` across ranks); None:
-        all of them."""
+        all of them. kernels: the native CPU kernels a bf16 decode takes (runtime/kernels/decode.py), bound to the
+        ops (`with_kernels`), which pass them on to every product they make; None: torch's ops only."""
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.source = source
         self.device, self.dtype = device, dtype
-        self.ops = ops if ops is not None else build_ops(checkpoint.arch.name, checkpoint.args, device, dtype)
+        if ops is None:
+            ops = build_ops(checkpoint.arch.name, checkpoint.args, device, dtype, kernels=kernels)
+        elif kernels is not None and getattr(ops, "kernels", None) is not kernels:
+            ops = ops.with_kernels(kernels)
+        self.ops = ops
         self.vocab_size = self.spec.vocab_size
         self.num_layers = self.spec.num_layers
         self.stage = stage
@@ -52,11 +55,17 @@ class CausalLM:
         self.max_context = max_context  # the KV cache reserved in the budget holds this many positions
         self.prefill_chunk = prefill_chunk  # a longer causal run goes through this many tokens per forward_once
         self.prefetcher = prefetcher
-        self.host_compute = host_compute
-        self.host_compute_s = 0.0  # time the compute thread spent on them (their inputs' copies included)
         self.routing_trace = routing_trace
         self.kv_dtype = kv_dtype
-        self.kernels = kernels
+        self.kernels: DecodeKernels | None = getattr(ops, "kernels", None)
+        # the MoE layers' feed-forward, its compute path fixed here (moe_block.py): the trunk's, which shows its
+        # routing to the prefetcher and the trace and may hand experts to the host; the MTP layers' (mtp.py),
+        # computed on the compute device and seen by neither
+        self.moe = MoEBlock(ops, source, self.kernels, device, dtype, prefetcher=prefetcher,
+                            host_compute=host_compute, routing_trace=routing_trace)
+        self.mtp_moe = MoEBlock(ops, source, self.kernels, device, dtype)
+        self._views: dict[str, CausalLM] = {}
+        self._view_wraps: dict[str, Callable[[LayerOps], LayerOps]] = {}  # name -> the wrap its view was built with
         # layer -> the residual stream after its attention and after the whole layer, at the last token of the
         # latest forward (_route_ahead)
         self._previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -65,9 +74,38 @@ class CausalLM:
         self.decode_plan: decode_plan.DecodePlan | None = None
         self._plan_built = False
 
+    @property
+    def host_compute(self) -> HostCompute | None:
+        """Which experts the host computes: the trunk's MoE block holds it (set here, it is the block's)."""
+        return self.moe.host_compute
+
+    @host_compute.setter
+    def host_compute(self, value: HostCompute | None) -> None:
+        self.moe.host_compute = value
+
     def snapshot(self) -> dict:
         """The model's own counters, for stats: time the compute thread spent on host-computed experts."""
-        return {"host_compute_s": self.host_compute_s}
+        return {"host_compute_s": self.moe.host_compute_s}
+
+    def view(self, name: str, wrap: Callable[[LayerOps], LayerOps]) -> "CausalLM":
+        """This model's checkpoint, weights and layers computed by `wrap(ops)` (a wrapper of this model's ops
+        without the native kernels), with no prefetcher, host compute or routing trace: built on the first call
+        for `name` and kept (the self drafter's restricted routing: speculative/drafters/self_draft.py); a later
+        call for `name` must pass the same `wrap`. A view forwards into caches it is given; it shares the weight
+        source, so it runs between the model's forwards, never during one. Its ops (one RestrictedRouting for the
+        self drafter) are shared by every request's drafter: safe because the engine runs one request at a time
+        (Engine._request), and each drafter sets its own settings on them before each draft."""
+        got = self._views.get(name)
+        if got is None:
+            plain = self.ops.with_kernels(None) if self.kernels is not None else self.ops
+            got = CausalLM(self.checkpoint, self.source, self.device, self.dtype, self.max_context,
+                           self.prefill_chunk, ops=wrap(plain), kv_dtype=self.kv_dtype, stage=self.stage)
+            self._views[name] = got
+            self._view_wraps[name] = wrap
+        elif self._view_wraps[name] is not wrap:
+            raise ValueError(f"view {name!r} was built with {self._view_wraps[name]!r}, not {wrap!r}: one name, "
+                             f"one wrapper")
+        return got
 
     def new_cache(self, max_tokens: int) -> KVCache:
         if self.max_context is not None and max_tokens > self.max_context:
@@ -149,18 +187,13 @@ class CausalLM:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last decoder layer's output [T, H] -> float32 logits [T, V] (final norm and lm_head)."""
-        with self._unit(UnitKey(self.num_layers, "head")) as w, using(self.kernels):
+        with self._unit(UnitKey(self.num_layers, "head")) as w:
             return self.ops.logits(w, x)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
                    ) -> torch.Tensor:
         """This model's decoder layers (`self.layers`) over the residual stream x [T, H]; the cache is advanced by
         the caller, once every layer of the forward has appended to it."""
-        with using(self.kernels):
-            return self._layers(x, positions, cache, mask)
-
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
-                ) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] == 1:
             if not self._plan_built:
                 self._plan_built = True
@@ -192,150 +225,6 @@ class CausalLM:
                 if prefetcher is not None and prefetcher.config.route_ahead:  # what the next forward predicts from
                     self._previous[layer] = (after_attention[-1:].clone(), x[-1:].clone())  # not views of [T, H]
         return x
-
-    def moe(self, layer: int, w: Weights, h: torch.Tensor, ahead: Callable[[torch.Tensor], None] | None = None,
-            *, trunk: bool = True, residual: torch.Tensor | None = None, logits: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        """A MoE feed-forward: route h, compute the routed experts (resident ones first, the rest as their reads
-        land) and the shared experts. ahead: given this layer's output so far (the experts computed, the shared
-        experts), starts the next layers' reads (see _route_ahead); called when the layer would otherwise wait for
-        expert reads. trunk=False (an MTP layer, runtime/mtp.py): its routing is neither recorded nor shown to the
-        prefetcher (which predicts the trunk's layers), and its experts are computed on the compute device.
-        residual: returned plus the layer's output (for a one-token bf16 step one native call, combine_add: the same
-        bits as the torch additions). logits: the router's product of h, where decode_block made it."""
-        indices, weights = self.ops.route(layer, w, h) if logits is None else self.ops.route(layer, w, h, logits)
-        routing = RowRouting(indices, weights) if 1 < h.shape[0] <= SMALL_ROWS else None
-        experts = routed_experts(indices, weights) if routing is None else routing.order
-        if trunk and self.routing_trace is not None:
-            self.routing_trace.append((layer, indices.tolist()))
-        if trunk and self.prefetcher is not None:
-            self.prefetcher.routed(layer, experts)
-        keys = [UnitKey(layer, "expert", e) for e in experts]
-        parts = {}
-        shared: list[torch.Tensor | None] = []  # computed once, when first needed
-
-        def shared_output() -> torch.Tensor | None:
-            if not shared:
-                shared.append(self.ops.shared_experts(layer, w, h))
-            return shared[0]
-
-        def output() -> torch.Tensor:
-            out, extra = combine(h, parts), shared_output()
-            return out if extra is None else out + extra
-
-        # resident experts first, the rest as their reads land; with the native grouped kernel the resident ones
-        # are computed in one call (`after_resident`), each later one as it lands
-        native = self.kernels if (self.kernels is not None and self.kernels.experts and h.dtype == torch.bfloat16
-                                  and h.device.type == "cpu" and h.shape[0] <= MAX_ROWS) else None
-        pending: list[tuple[UnitKey, tuple[torch.Tensor, ...]]] = []
-        grouping = [native is not None]
-
-        def flush() -> None:
-            if not pending:
-                return
-            try:
-                parts.update(native_parts(native, h, indices, weights, [(k.expert, m) for k, m in pending], routing))
-            finally:
-                self.source.release([k for k, _ in pending])
-                pending.clear()
-
-        def after_resident() -> None:
-            grouping[0] = False
-            flush()
-
-        wait_work = None if ahead is None else lambda: (flush(), ahead(output()))
-        host = self.host_compute if trunk else None
-        if host is not None:
-            tokens = Counter(indices.flatten().tolist())  # tokens routed to each expert
-            if not any(host.wants(n) for n in set(tokens.values())):
-                host = None  # auto rules the host out for this forward: nothing to stage, nothing to ask
-        on_host = None if host is None else (lambda key: host.wants(tokens[key.expert]))
-        grouped = {} if native is None else {"after_resident": after_resident}
-        # all of them resident (a decode step where the budget holds them): handed over at once, no generator
-        ready = self.source.acquire_ready(keys) if native is not None and hasattr(self.source, "acquire_ready") \
-            else None
-        if ready is not None and residual is not None and host is None and h.shape[0] == 1:
-            out = self.moe_row(native, h, indices, weights, keys, ready, residual, shared_output)
-            if out is not None:
-                return out
-        units = (zip(keys, ready) if ready is not None
-                 else self.source.acquire(keys, wait_work, on_host=on_host, **grouped))
-        # the routing's inputs for experts computed on the host: their copy is queued now, before the resident
-        # experts' kernels (`acquire` starts when iterated), so the CPU need not wait for those to finish
-        staged = HostInputs.stage(h, indices, weights) if host is not None and h.device.type == "cuda" else None
-        elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the routing's inputs, moved once
-        handed = 0
-        try:
-            for key, ew in units:
-                handed += 1
-                mats = self.ops.gated_silu(ew) if native is not None else None
-                if mats is not None and (mats.down[0] if isinstance(mats, IntExpert) else mats[0]).device == h.device:
-                    pending.append((key, mats))
-                    if not grouping[0]:
-                        flush()
-                    continue
-                self._expert(key, ew, h, indices, weights, parts, elsewhere, staged, host, tokens if host else None,
-                             routing)
-            flush()
-        finally:
-            if pending:  # a failure: what was held and not computed is given back
-                self.source.release([k for k, _ in pending])
-            if ready is not None and handed < len(keys):  # and what was acquired and never reached
-                self.source.release(keys[handed:])
-        if residual is None:
-            return output()
-        if native is not None and h.shape[0] == 1:
-            extra = shared_output()
-            return native.module.combine_add(residual, [parts[e][1] for e in sorted(parts)],
-                                             None if extra is None else extra.contiguous())
-        return residual + output()
-
-    def moe_row(self, native: DecodeKernels, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                 keys: list[UnitKey], ready: list[Weights], residual: torch.Tensor,
-                 shared: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
-        """moe() of a one-token step whose routed experts are all resident (acquired: `ready`) and take one native
-        kernel: residual + their parts + the shared experts in one call (moe_row: native_parts' and combine_add's
-        bits), the experts released after it. None, computing and releasing nothing, where one takes another
-        path (the caller then goes one by one). Compute-tier units lie on h's device: no host hand-over here."""
-        mats = [self.ops.gated_silu(u) for u in ready]
-        quantized = isinstance(mats[0], IntExpert)
-        if any(m is None or isinstance(m, IntExpert) != quantized for m in mats):
-            return None
-        order = sorted(range(len(keys)), key=lambda i: keys[i].expert)  # the sum's ascending expert order
-        routed = indices[0].tolist()
-        try:
-            if quantized:
-                gates, ups, downs = ([getattr(mats[i], part) for i in order] for part in ("gate", "up", "down"))
-            else:
-                gates, ups, downs = ([[mats[i][part]] for i in order] for part in range(3))
-            extra = shared()
-            return native.module.moe_row(residual, h.contiguous(), weights[0].to(h.dtype),
-                                         [routed.index(keys[i].expert) for i in order], gates, ups, downs,
-                                         None if extra is None else extra.contiguous())
-        finally:
-            self.source.release(keys)
-
-    def _expert(self, key: UnitKey, ew: Weights, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                parts: dict, elsewhere: dict, staged: HostInputs | None, host: HostCompute | None,
-                tokens: Counter | None, routing: RowRouting | None = None) -> None:
-        """One routed expert's part by the torch path, on the compute device or where the host tier holds it;
-        the unit is released whatever happens."""
-        try:
-            where = next(iter(ew.values())).device
-            if where == h.device:
-                parts[key.expert] = expert_part(h, indices, weights, key.expert, ew, self.ops.expert, routing)
-            else:  # handed over from the host tier to be computed there
-                start = time.perf_counter()
-                if where not in elsewhere:
-                    elsewhere[where] = (staged.wait() if staged is not None and where.type == "cpu"
-                                        else (h.to(where), indices.to(where), weights.to(where)))
-                tok, y = expert_part(*elsewhere[where], key.expert, ew, self.ops.expert, routing)
-                parts[key.expert] = (tok if isinstance(tok, slice) else tok.to(h.device), y.to(h.device))
-                took = time.perf_counter() - start
-                self.host_compute_s += took
-                host.observe(took, tokens[key.expert])
-        finally:
-            self.source.release([key])  # frees the slot for the next expert's read
 
     def _route_ahead(self, layer: int, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         """What layer `layer` does while it waits for expert reads: predict the routing of the next MoE layers

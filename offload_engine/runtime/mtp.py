@@ -46,7 +46,6 @@ from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.opened import PrebuiltUnits
 from ..checkpoint.naming import UnitKey
 from ..errors import CheckpointFormatError
-from .kernels.decode import using
 from .kv_cache import KVCache
 from .layers import causal_mask
 from .weights import hold, lookup
@@ -117,6 +116,9 @@ class MtpHead:
     def __init__(self, model):
         self.model = model
         self.ops = model.ops
+        # the trunk's final norm before depth 0 by torch's op, as it has always run (outside the decode step's
+        # native kernels, whose rms_norm rounds within a bf16 step of it): the drafts keep their bits
+        self._norm_ops = model.ops.with_kernels(None) if model.kernels is not None else model.ops
         self.count = mtp_layer_count(model.checkpoint)
         if not self.count:
             raise CheckpointFormatError(model.checkpoint.root, "the checkpoint has no MTP layers (config.json "
@@ -141,7 +143,7 @@ class MtpHead:
     def trunk_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The main model's pre-norm output (CausalLM.forward(return_hidden=True)) -> what depth 0 consumes."""
         with self._unit(UnitKey(self.base, "head")) as head:
-            return self.ops.final_norm(head, hidden.to(self.model.dtype))
+            return self._norm_ops.final_norm(head, hidden.to(self.model.dtype))
 
     @torch.inference_mode()
     def forward(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -155,18 +157,18 @@ class MtpHead:
         T = tokens.shape[0]
         mask = causal_mask(torch.arange(cache.length, cache.length + T, device=device), cache.length + T)
         embedded = lookup(model.source, UnitKey(-1, "embed"), tokens, ops.embed)
-        with self._unit(UnitKey(layer, "mtp")) as w, using(model.kernels):
+        with self._unit(UnitKey(layer, "mtp")) as w:
             x = ops.mtp_input(w, embedded, hidden.to(embedded.dtype))
             x = x + ops.attention(layer, w, ops.input_norm(layer, w, x), positions, cache, mask)
             h = ops.post_norm(layer, w, x)
             x = x + self._moe(layer, w, h)
             out = ops.mtp_output(w, x)
         cache.advance(T)
-        with self._unit(UnitKey(self.base, "head")) as w, using(model.kernels):
+        with self._unit(UnitKey(self.base, "head")) as w:
             logits = ops.head_logits(w, out)
         return logits, out
 
     def _moe(self, layer: int, w, h: torch.Tensor) -> torch.Tensor:
         if layer not in self.moe_layers:
             return self.ops.dense_mlp(layer, w, h)
-        return self.model.moe(layer, w, h, trunk=False)
+        return self.model.mtp_moe(layer, w, h)

@@ -34,10 +34,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..config import AUTO, check_threads  # noqa: F401 (the option's check, with it)
 from .cpu_load import CpuSample, usable_cores
-
-AUTO = "auto"
 PROBE_SHARE = 0.03  # most of the decode time that probing other thread counts may cost
 WINDOW_TOKENS = 8  # decode tokens per measured window...
 WINDOW_S = 0.02  # ...and at least this long
@@ -50,18 +48,6 @@ MAX_WAIT_S = 10.0  # ...up to this, unless what a probe lost asks for longer (PR
 CHANGED = 1.5  # a window this much faster or slower than the one before brings the next probe forward
 GATE_S = 0.25  # the least time that look at the run-queue delay before a probe up spans
 FREE = 0.1  # a thread that waited for a core this share of its runnable time or less had the cores to itself
-
-
-def check_threads(value: Any) -> int | str:
-    """'auto', or an int >= 1 (a string of digits too: the CLI's flag). Anything else: ConfigError naming both
-    the field and the flag."""
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"threads (--threads) must be 'auto' or an integer >= 1, got {value!r}")
-    return value
 
 
 _applied: int | None = None  # the count an engine last set

@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, OffloadEngineError
 from ..generate.decoder import FinishEvent, TokenEvent
+from ..generate.grammar import Grammar
+from ..generate.request import PreparedRequest
 from ..modes import SPEC_MODES
 from . import fields, tools
 from .metrics import Metrics
@@ -116,8 +118,10 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = tool_plan.grammar if tool_plan is not None and tool_plan.grammar else fields.grammar(body)
+        prepared = await prepare(body, ids, limit, top, grammar, chat=True)
         shape = Shape(chat=True, tokenizer=engine.tokenizer, logprobs=top is not None, tools=tool_plan)
-        return await respond(request, body, ids, limit, shape, top)
+        return await respond(request, body, prepared, shape)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -135,53 +139,43 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             ids = engine.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-        if not ids:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        if any(not 0 <= t < engine.model.vocab_size for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {engine.model.vocab_size})", param="prompt")
+        prepared = await prepare(body, ids, body.max_tokens, body.logprobs, fields.grammar(body), chat=False)
         echo = ""
         if body.echo:
             if engine.tokenizer is None:
                 raise ApiError(400, "echo: this model has no tokenizer to return the prompt as text", param="echo")
             echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
         shape = Shape(chat=False, tokenizer=engine.tokenizer, logprobs=body.logprobs is not None, echo=echo)
-        return await respond(request, body, ids, body.max_tokens, shape, body.logprobs)
+        return await respond(request, body, prepared, shape)
 
-    async def respond(request: Request, body: Sampling, ids: list[int], limit: int | None, shape: Shape,
-                      top_logprobs: int | None) -> Response:
-        chat = shape.chat
+    async def prepare(body: Sampling, ids: list[int], limit: int | None, top_logprobs: int | None,
+                      grammar: Grammar | None, chat: bool) -> PreparedRequest:
+        """The request checked once, by Engine.prepare (ids, sampling, spec, grammar, context), before it waits in
+        the queue; its refusals answered as 400s in this API's words (_refusal)."""
         if body.model is not None and body.model != settings.model_id:
             raise ApiError(404, f"model {body.model!r} is not served here (this server serves "
                                 f"{settings.model_id!r})", "not_found_error", param="model", code="model_not_found")
-        if body.spec is not None and body.spec not in SPEC_MODES:
-            raise ApiError(400, f"spec: must be one of {', '.join(SPEC_MODES)}, got {body.spec!r}", param="spec")
-        grammar = shape.tools.grammar if shape.tools is not None and shape.tools.grammar else fields.grammar(body)
-        fields.compiled(grammar)
-        room = engine.context - len(ids)
-        if room < 1:
-            raise ApiError(400, f"prompt has {len(ids)} tokens, the context reserved is {engine.context} tokens",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
         if limit is not None and limit > settings.max_tokens_limit:
             raise ApiError(400, f"max_tokens {limit} is over this server's limit of {settings.max_tokens_limit} "
                                 "(--max-tokens-limit)", param="max_tokens")
-        if limit is not None and len(ids) + limit > engine.context:
-            raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({limit}) exceed the context reserved "
-                                f"({engine.context} tokens)", param="max_tokens", code="context_length_exceeded")
-        max_new = limit if limit is not None else min(room, settings.max_tokens_limit)
+        # no max_tokens: what the context leaves (at least 1: a prompt that fills it is refused by prepare)
+        max_new = limit if limit is not None else max(1, min(engine.context - len(ids), settings.max_tokens_limit))
         sampling = dict(max_new_tokens=max_new, seed=body.seed, stop=body.stops(), logprobs=top_logprobs,
                         temperature=float(1.0 if body.temperature is None else body.temperature),
                         top_p=float(1.0 if body.top_p is None else body.top_p), top_k=body.top_k or 0,
                         min_p=float(body.min_p or 0.0), presence_penalty=float(body.presence_penalty or 0.0),
                         frequency_penalty=float(body.frequency_penalty or 0.0),
                         logit_bias=fields.logit_bias(body.logit_bias, engine.model.vocab_size), grammar=grammar)
-        try:  # Engine.stream checks every argument (sampling, spec, the grammar) when called, before the request
-            # waits in the queue; its generator takes the engine at its first step, on the worker (a thread here:
-            # the first grammar for a tokenizer takes up to a second to set up)
+        try:  # on a thread: the first grammar for a tokenizer takes up to a second to set up
             spec = {} if body.spec is None else {"spec": body.spec}
-            stream = await asyncio.to_thread(engine.stream, ids, **spec, **sampling)
+            return await asyncio.to_thread(engine.prepare, ids, **spec, **sampling)
         except (ConfigError, OffloadEngineError) as e:
-            raise ApiError(400, str(e), param=fields.param_of(str(e))) from None
-        job = Job(start=lambda: stream, loop=asyncio.get_running_loop())
+            raise _refusal(e, body, len(ids), limit, engine.context, chat, grammar) from None
+
+    async def respond(request: Request, body: Sampling, prepared: PreparedRequest, shape: Shape) -> Response:
+        chat, prompt_tokens = shape.chat, len(prepared.ids)
+        # the worker runs the prepared request as it is: Engine.stream checks nothing again
+        job = Job(start=lambda: engine.stream(prepared), loop=asyncio.get_running_loop())
 
         def client_left() -> None:  # the worker stops the job at its next step
             if settings.cancel_on_disconnect:
@@ -194,7 +188,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 "model": settings.model_id}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(_sse(job, meta, shape, len(ids), include_usage, client_left, metrics),
+            return StreamingResponse(_sse(job, meta, shape, prompt_tokens, include_usage, client_left, metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watch = asyncio.create_task(_on_disconnect(request, client_left))
@@ -203,7 +197,7 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
         finally:
             watch.cancel()
             client_left()  # also when this handler is cancelled: its client is gone
-        return JSONResponse(complete(meta, shape, finish, len(ids)))
+        return JSONResponse(complete(meta, shape, finish, prompt_tokens))
 
     return app
 
@@ -242,6 +236,25 @@ async def _finish(job: Job) -> FinishEvent:
     if finish is None:
         raise ApiError(500, "the generation ended without a result", "server_error")
     return finish
+
+
+def _refusal(e: OffloadEngineError, body: Sampling, prompt_tokens: int, limit: int | None, context: int, chat: bool,
+             grammar: Grammar | None) -> ApiError:
+    """Engine.prepare's refusal as a 400 naming the request field (RequestError.field: the API's argument)."""
+    field = getattr(e, "field", None)
+    if field == "context":
+        if limit is None or prompt_tokens >= context:
+            return ApiError(400, f"prompt has {prompt_tokens} tokens, the context reserved is {context} tokens",
+                            param="messages" if chat else "prompt", code="context_length_exceeded")
+        return ApiError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({limit}) exceed the context reserved "
+                             f"({context} tokens)", param="max_tokens", code="context_length_exceeded")
+    if field == "spec" and getattr(e, "code", None) == "unknown_mode":
+        return ApiError(400, f"spec: must be one of {', '.join(SPEC_MODES)}, got {body.spec!r}", param="spec")
+    if field in ("spec", "spec_depth", "spec_width", "prompt"):
+        return ApiError(400, str(e), param="messages" if field == "prompt" and chat else field)
+    if grammar is not None and str(e).startswith(f"{grammar.name}:"):
+        return ApiError(400, str(e), param=grammar.name)
+    return ApiError(400, str(e), param=fields.param_of(str(e)))
 
 
 def _as_api_error(e: Exception) -> ApiError:

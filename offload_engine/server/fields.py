@@ -133,15 +133,6 @@ def grammar(body: ChatRequest | CompletionRequest) -> Grammar | None:
                         f"json_schema: {{name, schema, strict}}}}, got {fmt!r}", param="response_format")
 
 
-def compiled(grammar: Grammar | None) -> None:
-    """A grammar that does not compile is a 400 naming its field, before the request waits in the queue."""
-    if grammar is not None:
-        try:
-            grammar.compiled()
-        except ConfigError as e:
-            raise ApiError(400, str(e), param=grammar.name) from None
-
-
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     """The request's {"token id": bias} as {id: bias}, every id in the vocabulary, each bias in [-100, 100]."""
     out = {}

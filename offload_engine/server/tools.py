@@ -14,8 +14,9 @@ from typing import Any
 from ..errors import ConfigError
 from ..generate.decoder import FinishEvent
 from ..generate.grammar import Grammar
-from ..generate.tool_calls import (HARMONY, NAME, SYNTAXES, CallText, Parsed, Syntax, call_grammar, detect, literal,
-                                   parse)
+from ..generate import harmony
+from ..generate.tool_calls import NAME, SYNTAXES, CallText, Syntax, call_grammar, detect, literal, parse
+from ..generate.tool_parsed import Parsed
 from .protocol import ApiError, ChatRequest
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -121,10 +122,7 @@ def plan(body: ChatRequest, tokenizer: Any) -> ToolPlan | None:
     if not tools or choice == "none":
         return None
     syntax = detect(tokenizer.chat_template)
-    if syntax == HARMONY:
-        raise _bad("tools", "this model writes tool calls in gpt-oss's harmony format, which this server does not "
-                            "parse yet")
-    if not isinstance(syntax, Syntax):
+    if syntax is None:
         raise _bad("tools", "this model's chat template shows no tool-call syntax this server reads (it reads "
                             f"{SUPPORTED}); the template may lack a tools section")
     if body.response_format not in (None, {"type": "text"}) or body.grammar is not None:
@@ -135,8 +133,10 @@ def plan(body: ChatRequest, tokenizer: Any) -> ToolPlan | None:
     if choice != "auto":
         functions = [(t["function"]["name"], _parameters(t)) for t in tools
                      if forced is None or t["function"]["name"] == forced]
-        text = call_grammar(syntax, functions, parallel is not False and forced is None,
-                            lambda s: literal(tokenizer, s))
+        lit = lambda s: literal(tokenizer, s)  # noqa: E731
+        # gpt-oss's generation_config makes <|call|> an EOS: then the EOS ends a harmony call
+        call_ends = tokenizer.token_to_id(harmony.CALL) in tokenizer.eos_token_ids
+        text = call_grammar(syntax, functions, parallel is not False and forced is None, lit, call_ends=call_ends)
         grammar = Grammar.lark(text, name="tool_choice")
     return ToolPlan(syntax, tools, choice, forced, parallel is not False, tokenizer, body.stops(), grammar)
 
@@ -294,7 +294,7 @@ def template_messages(body: ChatRequest, tokenizer: Any) -> list[dict]:
     and tool results (each answering a call of the assistant message before it)."""
     template = tokenizer.chat_template or ""
     syntax = detect(template)
-    as_text = not isinstance(syntax, Syntax) or syntax.arguments_as_text
+    as_text = syntax is None or syntax.arguments_as_text
     out: list[dict] = []
     open_calls: set[str] = set()  # ids of the last assistant message's calls
     for i, m in enumerate(body.messages):

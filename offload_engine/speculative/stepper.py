@@ -18,16 +18,14 @@ from typing import Any, Sequence
 
 import torch
 
+from ..config import MAX_DEPTH, MAX_WIDTH, check_spec
 from ..errors import ConfigError
 from ..generate.decoder import PlainStepper
 from ..generate.sampling import Sampler
-from ..modes import SPEC_MODES
 from .chooser import CostModel, DraftChoice, SpecStats
 from .drafters import DraftBudget, Drafter, TargetState
 from .tree import DraftTree, tree_inputs
 from .verifier import verify
-
-MAX_DEPTH, MAX_WIDTH = 8, 4
 
 
 class SpeculativeStepper:
@@ -219,17 +217,6 @@ def _widths(tree: DraftTree, path: list[int]) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- factory
 
-def check_spec(spec: str, depth: int | None = None, width: int | None = None
-               ) -> tuple[str, int | None, int | None]:
-    """A speculation mode and a fixed draft shape (None: chosen each step), or a ConfigError naming the flag."""
-    if spec not in SPEC_MODES:
-        raise ConfigError(f"--spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
-    for flag, value, most in (("--spec-depth", depth, MAX_DEPTH), ("--spec-width", width, MAX_WIDTH)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise ConfigError(f"{flag} must be an integer from 1 to {most}, got {value!r}")
-    return spec, depth, width
-
-
 def make_stepper(model: Any, cache: Any, sampler: Sampler, spec: str = "auto", *, depth: int | None = None,
                  width: int | None = None, draft: Any = None, store: Any = None, stats: SpecStats | None = None,
                  tokenizer: Any = None, draft_tokenizer: Any = None, max_depth: int = MAX_DEPTH,
@@ -242,6 +229,8 @@ def make_stepper(model: Any, cache: Any, sampler: Sampler, spec: str = "auto", *
     draft: the draft model (a CausalLM, or anything with `.model`), opened by the caller with its own budget;
     tokenizer / draft_tokenizer: checked for identical vocabularies when both are given;
     self_experts_per_token: the self drafter keeps at most this many of a token's (resident) experts."""
+    # Engine.prepare checked the request's mode, but tools/ and tests call make_stepper directly: a mode outside
+    # SPEC_MODES would otherwise build no drafter at all and decode plainly in silence
     check_spec(spec)
     if spec == "off":
         return PlainStepper(model, cache, sampler)

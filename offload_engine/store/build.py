@@ -8,12 +8,13 @@ import torch
 
 from ..checkpoint.layout import UnitLayout
 from ..checkpoint.model import ModelCheckpoint
+from ..config import PREFETCH_SLOTS
 from ..constants import READER_THREADS, STALL_TIMEOUT_S, seconds_from_env
 from ..errors import ConfigError
 from ..planner.kv import prompt_cache_bytes
 from ..planner.placement import Placement, ResolvedBudget, bounce_bytes, place
 from .ledger import Ledger
-from .store import PREFETCH_SLOTS, CopyFn, ReadFn, TieredStore
+from .store import CopyFn, ReadFn, TieredStore
 
 FIT_RESERVE = 1 << 30  # memory a run without --ram leaves the machine at least (fitted_host_budget)
 

@@ -8,11 +8,10 @@ from concurrent.futures import Future
 from typing import Iterable
 
 from ..checkpoint.naming import UnitKey
+from ..config import PREFETCH_SLOTS
 from .policy import Usage, aged_count, choose_victim, layer_to_evict, may_take, resolved
 from .stats import StoreStats
 from .tier import Slot, Tier
-
-PREFETCH_SLOTS = 8  # default quota of prefetched, unused units per kind (reserve; PrefetchConfig.slots)
 
 
 def failed(fut: Future | None) -> bool:

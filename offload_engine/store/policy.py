@@ -15,7 +15,8 @@ import math
 from collections import Counter
 from typing import Mapping, NamedTuple, Sequence
 
-POLICIES = ("lru-floor", "layer-lru", "lru", "lfu")
+from ..modes import POLICIES
+
 FLOOR_ROOM = 2  # lru-floor needs slots for twice every layer's floor, else it is layer-lru (see resolved)
 LFU_HALF_LIFE = 64.0  # uses: older accesses count half after this many store ticks
 

@@ -27,11 +27,12 @@ import torch
 
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import UnitKey
+from ..config import PREFETCH_SLOTS
 from ..constants import BOUNCE_BYTES, READER_THREADS, STALL_TIMEOUT_S
 from ..errors import BudgetError, EngineClosedError
 from ..interrupts import finish_despite_interrupts
 from ..planner.placement import Placement
-from .eviction import PREFETCH_SLOTS, Evictor, failed
+from .eviction import Evictor, failed
 from .fill import Filler
 from .gds import GdsReader
 from .ledger import Ledger
@@ -43,7 +44,7 @@ from .tier import Prepared, Slot, SlotState, Tier
 from .unit_io import CopyFn, ReadFn, UnitIO
 from .weights import Weights
 
-__all__ = ["PREFETCH_SLOTS", "CopyFn", "ReadFn", "StoreStats", "TieredStore", "UnitIO"]
+__all__ = ["CopyFn", "ReadFn", "StoreStats", "TieredStore", "UnitIO"]
 
 
 class TieredStore:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointFormatError, ConfigError, OffloadEngineError
+from ...formats.gguf import GGUF_NATIVE_TYPES
 from . import gpt_oss, hybrid
 from .reader import GGUFFile
 
@@ -20,9 +21,6 @@ from .reader import GGUFFile
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
          "deepseek2": "deepseek_v3", "gpt-oss": "gpt_oss"}
 ARCHS.update(hybrid.ARCHS)  # qwen3next, qwen35moe (hybrid.py)
-# GGUF types the native CPU kernels multiply in place in a bf16 compute (runtime/kernels/native/gguf_cpu.cpp; their
-# form is a view of the stored blocks, no bytes beside them: planner/kernel_room.py)
-GGUF_NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")
 PLAIN_TYPES = ("F32", "F16", "BF16")
 
 
@@ -92,7 +90,7 @@ def _rope(m: _Meta, g: GGUFFile) -> dict[str, Any]:
 
 
 def compute_dtype(g: GGUFFile) -> str:
-    """config.json's dtype (the CPU's compute dtype where it multiplies bf16 well: config.resolve_dtype):
+    """config.json's dtype (the CPU's compute dtype where it multiplies bf16 well: runtime/devices.py resolve_dtype):
     bfloat16 where every quantized tensor is of a type the native kernels read in place (its weights then never
     dequantized), float32 otherwise (plain files, other types: what the parity tests compare)."""
     quantized = {t.gtype for t in g.tensors.values() if t.gtype not in PLAIN_TYPES}

@@ -5,6 +5,8 @@ The naming half (args, tensors) is checkpoint/arch/; an opened checkpoint carrie
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...errors import CheckpointError
@@ -18,10 +20,12 @@ OPS = {"llama": StandardOps, "qwen2": StandardOps, "qwen3": StandardOps, "mixtra
        "qwen3_next": HybridOps, "qwen3_5_moe": HybridOps, "gpt_oss": GptOssOps}
 
 
-def build_ops(name: str, args, device: torch.device, dtype: torch.dtype) -> LayerOps:
-    """The ops of the architecture whose naming half is called `name` (ModelCheckpoint.arch.name), for `args`."""
+def build_ops(name: str, args, device: torch.device, dtype: torch.dtype, kernels: Any = None) -> LayerOps:
+    """The ops of the architecture whose naming half is called `name` (ModelCheckpoint.arch.name), for `args`;
+    kernels: the native decode kernels they compute with (runtime/kernels/decode.py DecodeKernels; None: torch's)."""
     cls = OPS.get(name)
     if cls is None:
         raise CheckpointError("config.json", f"architecture {name!r} has no runtime ops; implemented: "
                                              f"{', '.join(sorted(OPS))}")
-    return cls(args, device, dtype)
+    ops = cls(args, device, dtype)
+    return ops if kernels is None else ops.with_kernels(kernels)

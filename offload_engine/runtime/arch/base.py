@@ -7,6 +7,7 @@ their DecoderArgs (QKV bias, QK-norm, which layers are MoE, shared experts).
 """
 from __future__ import annotations
 
+import copy
 from typing import Mapping, Protocol
 
 import torch
@@ -15,7 +16,7 @@ from ...checkpoint.arch.base import DecoderArgs
 from ..kv_cache import KVCache
 from ..layers import Rotary, activation, apply_rotary, attention, gated_mlp, rms_norm
 from ..kernels.int_experts import IntExpert, int_expert
-from ..kernels import decode as decode_kernels
+from ..kernels.decode import DecodeKernels
 from ..kernels.select import W, fast_linear
 from ..linear import dense, embedding, is_quantized, linear, linears
 from ..moe import softmax_topk
@@ -25,7 +26,12 @@ Weights = Mapping[str, torch.Tensor]
 
 
 class LayerOps(Protocol):
-    """What the runtime calls for one model; `w` is always the tensors of one unit, by local name."""
+    """What the runtime calls for one model; `w` is always the tensors of one unit, by local name. `kernels`: the
+    native decode kernels the ops compute with (None: torch's ops), fixed per ops object (`with_kernels`)."""
+
+    kernels: DecodeKernels | None
+
+    def with_kernels(self, kernels: DecodeKernels | None) -> "LayerOps": ...
 
     def kv_bytes_per_token(self, itemsize: int) -> int: ...
     def layer_kv_bytes_per_token(self, itemsize: int) -> int: ...
@@ -47,14 +53,14 @@ class LayerOps(Protocol):
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def mlp(w: Weights, x: torch.Tensor, prefix: str, act) -> torch.Tensor:
+def mlp(w: Weights, x: torch.Tensor, prefix: str, act, kernels: DecodeKernels | None = None) -> torch.Tensor:
     """The gated MLP of weights `<prefix>gate`, `<prefix>up`, `<prefix>down` (any stored format: linear() takes
     each product's fastest path, runtime/kernels/select.py and decode.py)."""
-    h = act(linear(x, w, prefix + "gate")) * linear(x, w, prefix + "up")
-    return linear(h, w, prefix + "down")
+    h = act(linear(x, w, prefix + "gate", kernels=kernels)) * linear(x, w, prefix + "up", kernels=kernels)
+    return linear(h, w, prefix + "down", kernels=kernels)
 
 
-def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
+def expert_forward(w: Weights, x: torch.Tensor, act, kernels: DecodeKernels | None = None) -> torch.Tensor:
     if "gate_up" in w:
         gate, up = w["gate_up"].chunk(2, dim=0)
         return gated_mlp(x, gate, up, w["down"], act)
@@ -64,8 +70,8 @@ def expert_forward(w: Weights, x: torch.Tensor, act) -> torch.Tensor:
             gate, up = dense(w, "gate_up", x.dtype).chunk(2, dim=0)
             return gated_mlp(x, gate, up, dense(w, "down", x.dtype), act)
         gate, up = fused.chunk(2, dim=-1)
-        return linear(act(gate) * up, w, "down")
-    return mlp(w, x, "", act)
+        return linear(act(gate) * up, w, "down", kernels=kernels)
+    return mlp(w, x, "", act, kernels=kernels)
 
 
 QKV_WEIGHTS = [f"self_attn.{p}_proj.weight" for p in "qkv"]
@@ -81,6 +87,18 @@ class StandardOps:
         self._expert_forms: PerFill = PerFill()  # gated_silu's answer per expert unit fill
         self._block_forms: PerFill = PerFill()  # decode_block's weights per dense unit fill
         self._standard_block = self.keeps_standard_block()
+        self.kernels: DecodeKernels | None = None  # the native decode kernels every product takes (with_kernels)
+
+    def with_kernels(self, kernels: DecodeKernels | None) -> "StandardOps":
+        """These ops (the same rotary tables and per-fill caches) computing with `kernels`: a decode step's products
+        and norms by the native kernels chosen for their shapes (runtime/kernels/decode.py); None: torch's ops."""
+        bound = copy.copy(self)
+        bound.kernels = kernels
+        return bound
+
+    def linear(self, x: torch.Tensor, w: Weights, name: str, bias: str | None = None) -> torch.Tensor:
+        """runtime/linear.py's linear() with these ops' kernels."""
+        return linear(x, w, name, bias, self.kernels)
 
     @classmethod
     def keeps_standard_block(cls) -> bool:
@@ -108,7 +126,7 @@ class StandardOps:
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The architecture's RMSNorm (zero-centred variants override this); a decode step's rows by the native
         kernel where it is on."""
-        kernels = decode_kernels.active.get()
+        kernels = self.kernels
         out = kernels.rms_norm(x, weight, self.s.rms_norm_eps) if kernels is not None else None
         return rms_norm(x, weight, self.s.rms_norm_eps) if out is None else out
 
@@ -121,7 +139,7 @@ class StandardOps:
 
     def head_logits(self, head: Weights, x: torch.Tensor) -> torch.Tensor:
         """The head without the final norm (MTP outputs are already normalized)."""
-        return linear(x, head, "weight").float()
+        return self.linear(x, head, "weight").float()
 
     # multi-token prediction (w: one `mtp` unit). Local names shared by the formats that have MTP layers (DeepSeek:
     # enorm, hnorm, eh_proj, shared_head.norm; Qwen: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm); the
@@ -129,7 +147,7 @@ class StandardOps:
     def mtp_input(self, w: Weights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """proj([embed_norm(emb(t_p)); hidden_norm(h_{p-1})])."""
         joined = torch.cat([self.norm(embedded, w["mtp.embed_norm"]), self.norm(hidden, w["mtp.hidden_norm"])], -1)
-        return linear(joined, w, "mtp.proj")
+        return self.linear(joined, w, "mtp.proj")
 
     def mtp_output(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """The block's output after the MTP layer's own norm: what the head scores and the next depth consumes."""
@@ -147,18 +165,18 @@ class StandardOps:
         if out is None:
             q, k_all, v_all = self.project_qkv(layer, w, x, positions, cache)
             out = attention(q, k_all, v_all, mask, self.s.head_dim ** -0.5)
-        return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+        return self.linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
 
     def _native_step(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
         """A one-token decode step's attention between the projections in one native call (QK-norm, RoPE, the
         cache write, attention over every position: kernels/native/decode_cpu.cpp) where `one_row_buffers`
         allows it; None otherwise (the torch path)."""
-        kernels = decode_kernels.active.get()
+        kernels = self.kernels
         buffers = self.one_row_buffers(kernels, layer, x, positions, cache, mask)
         if buffers is None:
             return None
-        q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES)
+        q, k, v = linears(x, w, QKV_WEIGHTS, QKV_BIASES, self.kernels)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         return kernels.module.attend_one(q.contiguous(), k.contiguous(), v.contiguous(), *self._qk_norms(w),
                                          self.s.rms_norm_eps, cos, sin, *buffers, cache.length,
@@ -186,7 +204,7 @@ class StandardOps:
         input_norm(x), its post_norm, and on a MoE layer the router's logits. It makes the calls attention(),
         post_norm() and route()'s product make, in their order, so the bits are theirs; what it saves is ~150 us
         of Python a layer. None where one of them would not take a native kernel: the caller then runs them."""
-        kernels = decode_kernels.active.get()
+        kernels = self.kernels
         if not self._standard_block:
             return None
         buffers = self.one_row_buffers(kernels, layer, x, positions, cache, mask)
@@ -229,9 +247,9 @@ class StandardOps:
         """GQA projections (with their biases and QK-norm where the unit has them), roped, this forward's keys
         and values appended to the cache: the queries and every cached key and value."""
         s, T, D = self.s, x.shape[0], self.s.head_dim
-        q = linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias").view(T, s.num_heads, D)
-        k = linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias").view(T, s.num_kv_heads, D)
-        v = linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias").view(T, s.num_kv_heads, D)
+        q = self.linear(x, w, "self_attn.q_proj.weight", "self_attn.q_proj.bias").view(T, s.num_heads, D)
+        k = self.linear(x, w, "self_attn.k_proj.weight", "self_attn.k_proj.bias").view(T, s.num_kv_heads, D)
+        v = self.linear(x, w, "self_attn.v_proj.weight", "self_attn.v_proj.bias").view(T, s.num_kv_heads, D)
         if self.a.qk_norm:
             q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps)
@@ -245,27 +263,27 @@ class StandardOps:
         return layer in self.a.moe_layers
 
     def dense_mlp(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return mlp(w, x, "mlp.", self.act)
+        return mlp(w, x, "mlp.", self.act, self.kernels)
 
     def route(self, layer: int, w: Weights, x: torch.Tensor, logits: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [T, k], weights [T, k]) of x; `logits`: the router's product of x, where decode_block made it."""
         if logits is None:
-            logits = linear(x, w, "router")
+            logits = self.linear(x, w, "router")
         return softmax_topk(logits, self.s.num_experts_per_tok, self.a.norm_topk_prob)
 
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """Selection scores [T, E] (higher = more likely routed): what lookahead prefetching ranks by."""
-        return torch.softmax(linear(x, w, "router"), dim=-1, dtype=torch.float32)
+        return torch.softmax(self.linear(x, w, "router"), dim=-1, dtype=torch.float32)
 
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.shared_intermediate_size:
             return None
-        y = mlp(w, x, "shared.", self.act)
-        return torch.sigmoid(linear(x, w, "shared_gate")) * y
+        y = mlp(w, x, "shared.", self.act, self.kernels)
+        return torch.sigmoid(self.linear(x, w, "shared_gate")) * y
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return expert_forward(w, x, self.act)
+        return expert_forward(w, x, self.act, self.kernels)
 
     def gated_silu(self, w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | IntExpert | None:
         """A routed expert's plain (gate, up, down), or its int8 / int4 kernel forms (IntExpert), where `expert`

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ...checkpoint.arch.deepseek_v3 import ATTN, LATENT_NORM_EPS, DeepseekV3Args
 from ..kv_cache import KVCache
 from ..layers import Rotary, apply_rotary, attention, rms_norm
-from ..linear import dense, linear
+from ..linear import dense
 from .base import StandardOps, Weights, mlp
 
 
@@ -45,7 +45,7 @@ class DeepseekV3Ops(StandardOps):
         a, T = self.a, x.shape[0]
         q = self._query(w, x).view(T, self.s.num_heads, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        kv = linear(x, w, ATTN + "kv_a_proj_with_mqa.weight", ATTN + "kv_a_proj_with_mqa.bias")
+        kv = self.linear(x, w, ATTN + "kv_a_proj_with_mqa.weight", ATTN + "kv_a_proj_with_mqa.bias")
         c_kv, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c_kv = rms_norm(c_kv, w[ATTN + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -57,13 +57,13 @@ class DeepseekV3Ops(StandardOps):
             out = self._absorbed(q_nope, q_pe, c_all, pe_all, kv_b, mask)
         else:
             out = self._expanded(q_nope, q_pe, c_all, pe_all, kv_b, mask)
-        return linear(out, w, ATTN + "o_proj.weight", ATTN + "o_proj.bias")
+        return self.linear(out, w, ATTN + "o_proj.weight", ATTN + "o_proj.bias")
 
     def _query(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         if self.a.q_lora_rank is None:
-            return linear(x, w, ATTN + "q_proj.weight")
-        q = linear(x, w, ATTN + "q_a_proj.weight", ATTN + "q_a_proj.bias")
-        return linear(rms_norm(q, w[ATTN + "q_a_layernorm.weight"], LATENT_NORM_EPS), w, ATTN + "q_b_proj.weight")
+            return self.linear(x, w, ATTN + "q_proj.weight")
+        q = self.linear(x, w, ATTN + "q_a_proj.weight", ATTN + "q_a_proj.bias")
+        return self.linear(rms_norm(q, w[ATTN + "q_a_layernorm.weight"], LATENT_NORM_EPS), w, ATTN + "q_b_proj.weight")
 
     def _absorb_is_cheaper(self, queries: int) -> bool:
         """Per cached position and head: expanding costs r*(n+v) once plus T*(n+p+v); absorbing T*(2r+p)."""
@@ -116,5 +116,5 @@ class DeepseekV3Ops(StandardOps):
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         if not self.a.n_shared_experts:
             return None
-        return mlp(w, x, "shared.", self.act)
+        return mlp(w, x, "shared.", self.act, self.kernels)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...checkpoint.arch.gpt_oss import GptOssArgs
 from ..kv_cache import KVCache
-from ..linear import dense, linear
+from ..linear import dense
 from .base import StandardOps, Weights
 
 
@@ -53,7 +53,7 @@ class GptOssOps(StandardOps):
         if self.a.is_sliding(layer):
             mask = mask & self._window(positions, k_all.shape[0])
         out = attention_with_sinks(q, k_all, v_all, mask, self.s.head_dim ** -0.5, w["self_attn.sinks"])
-        return linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
+        return self.linear(out, w, "self_attn.o_proj.weight", "self_attn.o_proj.bias")
 
     def _window(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[T, S]: keys within each query's window (transformers: key position > query position - window). The
@@ -64,12 +64,12 @@ class GptOssOps(StandardOps):
         return keys[None, :] > positions[:, None] - self.a.sliding_window
 
     def route(self, layer: int, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, w, "mlp.router.weight", "mlp.router.bias")
+        logits = self.linear(x, w, "mlp.router.weight", "mlp.router.bias")
         top, idx = torch.topk(logits, self.s.num_experts_per_tok, dim=-1)
         return idx, torch.softmax(top, dim=-1, dtype=top.dtype)
 
     def router_scores(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(linear(x, w, "mlp.router.weight", "mlp.router.bias"), dim=-1, dtype=torch.float32)
+        return torch.softmax(self.linear(x, w, "mlp.router.weight", "mlp.router.bias"), dim=-1, dtype=torch.float32)
 
     def shared_experts(self, layer: int, w: Weights, x: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -80,7 +80,7 @@ class GptOssOps(StandardOps):
 
     def expert(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         if "gate_bias" in w:  # a GGUF's: gate_up split by llama.cpp's converter (checkpoint/gguf/gpt_oss.py)
-            gate, up = linear(x, w, "gate", "gate_bias"), linear(x, w, "up", "up_bias")
+            gate, up = self.linear(x, w, "gate", "gate_bias"), self.linear(x, w, "up", "up_bias")
         else:
             if "gate_up_t" in w:  # bf16 as transformers saves it: [in, out]
                 gate_up = x @ w["gate_up_t"] + w["gate_up_bias"]

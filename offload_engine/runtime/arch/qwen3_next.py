@@ -17,7 +17,6 @@ from ...checkpoint.hf_config import ModelSpec, RopeSpec
 from ..deltanet import GatedDeltaNet
 from ..kv_cache import KVCache
 from ..layers import Rotary, apply_rotary, attention
-from ..linear import linear
 from .base import StandardOps, Weights
 
 
@@ -77,24 +76,24 @@ class HybridOps(StandardOps):
     def _gated_attention(self, layer: int, w: Weights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                          mask: torch.Tensor | None) -> torch.Tensor:
         s, T, D, eps = self.s, x.shape[0], self.s.head_dim, self.s.rms_norm_eps
-        qg = linear(x, w, ATTN + "q_proj.weight", ATTN + "q_proj.bias").view(T, s.num_heads, 2 * D)
+        qg = self.linear(x, w, ATTN + "q_proj.weight", ATTN + "q_proj.bias").view(T, s.num_heads, 2 * D)
         q, gate = qg.chunk(2, dim=-1)
-        k = linear(x, w, ATTN + "k_proj.weight", ATTN + "k_proj.bias").view(T, s.num_kv_heads, D)
-        v = linear(x, w, ATTN + "v_proj.weight", ATTN + "v_proj.bias").view(T, s.num_kv_heads, D)
+        k = self.linear(x, w, ATTN + "k_proj.weight", ATTN + "k_proj.bias").view(T, s.num_kv_heads, D)
+        v = self.linear(x, w, ATTN + "v_proj.weight", ATTN + "v_proj.bias").view(T, s.num_kv_heads, D)
         q = zero_centered_rms_norm(q, w[ATTN + "q_norm.weight"], eps)
         k = zero_centered_rms_norm(k, w[ATTN + "k_norm.weight"], eps)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.append(layer, k, v)
         out = attention(q, k_all, v_all, mask, D ** -0.5) * torch.sigmoid(gate.reshape(T, s.num_heads * D))
-        return linear(out, w, ATTN + "o_proj.weight", ATTN + "o_proj.bias")
+        return self.linear(out, w, ATTN + "o_proj.weight", ATTN + "o_proj.bias")
 
     def _linear_attention(self, layer: int, w: Weights, x: torch.Tensor, cache: KVCache,
                           mask: torch.Tensor | None) -> torch.Tensor:
         mixed, z, b, a = self._projections(w, x)
         out = self.deltanet.forward(layer, cache, mask, mixed, z, b, a, w[LIN + "conv1d.weight"], w[LIN + "A_log"],
                                     w[LIN + "dt_bias"], w[LIN + "norm.weight"])
-        return linear(out, w, LIN + "out_proj.weight")
+        return self.linear(out, w, LIN + "out_proj.weight")
 
     def _projections(self, w: Weights, x: torch.Tensor):
         """-> mixed q|k|v [T, C] (conv input), z [T, Hv, dv], b [T, Hv], a [T, Hv].
@@ -103,16 +102,16 @@ class HybridOps(StandardOps):
         for each of the Hk key heads, r = Hv / Hk value heads per key head."""
         d, T = self.a.deltanet, x.shape[0]
         if self.a.split_projections:  # Qwen3.5: one projection each, q|k|v already in conv order
-            return (linear(x, w, LIN + "in_proj_qkv.weight"),
-                    linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim),
-                    linear(x, w, LIN + "in_proj_b.weight"), linear(x, w, LIN + "in_proj_a.weight"))
+            return (self.linear(x, w, LIN + "in_proj_qkv.weight"),
+                    self.linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim),
+                    self.linear(x, w, LIN + "in_proj_b.weight"), self.linear(x, w, LIN + "in_proj_a.weight"))
         r = d.num_v_heads // d.num_k_heads
-        b, a = linear(x, w, LIN + "in_proj_ba.weight").view(T, d.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = self.linear(x, w, LIN + "in_proj_ba.weight").view(T, d.num_k_heads, 2 * r).split([r, r], dim=-1)
         b, a = b.reshape(T, d.num_v_heads), a.reshape(T, d.num_v_heads)
         if self.a.split_qkvz:  # Qwen3-Next's GGUF: q|k|v and z already split as Qwen3.5 has them
-            return (linear(x, w, LIN + "in_proj_qkv.weight"),
-                    linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim), b, a)
-        qkvz = linear(x, w, LIN + "in_proj_qkvz.weight").view(T, d.num_k_heads, -1)
+            return (self.linear(x, w, LIN + "in_proj_qkv.weight"),
+                    self.linear(x, w, LIN + "in_proj_z.weight").view(T, d.num_v_heads, d.v_head_dim), b, a)
+        qkvz = self.linear(x, w, LIN + "in_proj_qkvz.weight").view(T, d.num_k_heads, -1)
         q, k, v, z = qkvz.split([d.k_head_dim, d.k_head_dim, r * d.v_head_dim, r * d.v_head_dim], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, d.num_v_heads, d.v_head_dim), b, a

@@ -8,9 +8,9 @@
          g in {32, 64, 128, 256}; N a multiple of 16; K a multiple of g (measured on torch 2.13: other values
          raise)
 
-Every mapping below is exact algebra on the format's definition (runtime/dequant.py), so the results differ from
-dequantize-then-matmul only by float rounding (the kernels' accumulation order, and the bf16/fp16 rounding of
-scales x zeros where the compute dtype is one of those):
+Every mapping below (each format's WeightFormat.int4_parts / int8_parts, formats/) is exact algebra on the
+format's definition, so the results differ from dequantize-then-matmul only by float rounding (the kernels'
+accumulation order, and the bf16/fp16 rounding of scales x zeros where the compute dtype is one of those):
 
   compressed-tensors pack-quantized int4 (group / channel)   q = stored nibble (value + 8)
       symmetric: sz = (s, 0); asymmetric with zero point z: sz = (s, -z * s)
@@ -29,8 +29,9 @@ import sys
 import torch
 
 from ...checkpoint.formats import QuantSpec
-from ...planner.kernel_room import int4_group
-from .. import dequant, gguf_dequant
+from ...formats.gptq import in_order  # noqa: F401
+from ...formats.packing import pair_bytes  # noqa: F401
+from ...formats.registry import format_of
 
 F32 = torch.float32
 
@@ -38,11 +39,6 @@ F32 = torch.float32
 def available() -> bool:
     return (sys.byteorder == "little" and hasattr(torch, "_weight_int8pack_mm")
             and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
-
-
-def in_order(g_idx: torch.Tensor | None, q: QuantSpec) -> bool:
-    """GPTQ without act-order: g_idx absent or input i in group i // group (a permutation needs dequantizing)."""
-    return g_idx is None or torch.equal(g_idx.to(torch.long).cpu(), torch.arange(q.inp) // q.group)
 
 
 def scales_and_zeros(scale: torch.Tensor, zero_term: torch.Tensor | None, group: int, kgroup: int,
@@ -57,49 +53,15 @@ def scales_and_zeros(scale: torch.Tensor, zero_term: torch.Tensor | None, group:
 def repack_int4(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(packed uint8 [N, K/2], sz [K/g, N, 2]) for a 4-bit weight, or None where the kernel does not apply.
-    parts: data, scale, zero (None if absent), g_idx (None if absent)."""
-    kg = int4_group(q)
-    if (q.bits != 4 and q.kind != "gguf") or kg is None:
+    parts: data, scale, zero (None if absent), g_idx (None if absent); the weight's format maps its own
+    (WeightFormat.int4_parts)."""
+    fmt = format_of(q)
+    kg = fmt.int4_group(q)
+    got = fmt.int4_parts(q, parts) if kg is not None else None
+    if got is None:
         return None
-    data, scale, zero = parts["data"], parts["scale"], parts["zero"]
-    group = q.inp if q.strategy == "channel" or q.group == 0 else q.group
-    if q.kind == "gguf":
-        u, scale, term = gguf_dequant.int4_parts(data, q)
-        group = 32
-        packed_bytes = pair_bytes(u.to(torch.uint8))
-    elif q.kind == "ct_pack" and q.strategy in ("group", "channel"):
-        # the words' bytes, low nibble first (little-endian): the stored values + 8, the kernel's q, in order
-        packed_bytes = data.contiguous().view(torch.uint8).view(q.out, -1)[:, :q.inp // 2]
-        scale = scale.to(F32).reshape(q.out, -1)
-        term = None
-        if zero is not None:
-            z = (dequant.unpack_int32(zero, 4, dim=0)[:scale.shape[0]] - 8).to(F32).reshape(q.out, -1)
-            term = -z * scale
-    elif q.kind in ("gptq", "awq"):
-        if not in_order(parts.get("g_idx"), q):
-            return None
-        if q.kind == "gptq":
-            u = dequant.unpack_int32(data, 4, dim=0).t()
-            z = dequant.unpack_int32(zero, 4, dim=1) + q.zero_offset
-        else:
-            order = torch.tensor(dequant.AWQ_REVERSE_ORDER)
-
-            def columns(packed: torch.Tensor) -> torch.Tensor:
-                fields = dequant.unpack_int32(packed, 4, dim=1).view(packed.shape[0], -1, 8)
-                return fields.index_select(2, order).reshape(packed.shape[0], -1)
-
-            u, z = columns(data).t(), columns(zero)
-        scale = scale.to(F32).t()  # [G, N] -> [N, G]
-        term = (8 - z).to(F32).t() * scale
-        packed_bytes = pair_bytes(u.to(torch.uint8))
-    else:
-        return None
+    packed_bytes, scale, term, group = got
     return int4_pack_bytes(packed_bytes), scales_and_zeros(scale, term, group, kg, dtype)
-
-
-def pair_bytes(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] values 0..15 -> [N, K/2] bytes, value k in the low nibble and k + 1 in the high one."""
-    return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
 @functools.cache
@@ -140,27 +102,15 @@ def int4_pack_bytes(b: torch.Tensor, block: int | None = None) -> torch.Tensor:
 
 def repack_int8(q: QuantSpec, parts: dict[str, torch.Tensor | None], dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(int8 [N, K], scale [N], zero term [N] or None) for an 8-bit per-channel weight, or None."""
-    data, scale, zero = parts["data"], parts["scale"], parts["zero"]
+    """(int8 [N, K], scale [N], zero term [N] or None) for an 8-bit per-channel weight, or None (the weight's
+    format maps its own: WeightFormat.int8_parts)."""
     if q.bits != 8 or q.float_values:
         return None
-    z = None
-    if q.kind == "ct_pack" and q.strategy == "channel" and q.inp % 4 == 0:
-        # 4 bytes per int32 word, lowest first: on a little-endian machine the words' bytes are the values + 128
-        w = (data.contiguous().view(torch.uint8).view(q.out, q.inp) ^ 0x80).view(torch.int8)
-        if zero is not None:
-            z = dequant.unpack_int32(zero, 8, dim=0)[:q.out].reshape(q.out) - 128
-    elif q.kind == "ct_naive" and q.strategy == "channel" and data.dtype == torch.int8:
-        w = data  # int-quantized: the stored int8 matrix is the kernel's (no copy)
-        if zero is not None:
-            z = zero.reshape(q.out)
-    elif q.kind == "gptq" and q.group == q.inp and in_order(parts.get("g_idx"), q):
-        u = dequant.unpack_int32(data, 8, dim=0).t()  # [N, K] in 0..255
-        w = (u - 128).to(torch.int8).contiguous()
-        z = (dequant.unpack_int32(zero, 8, dim=1) + q.zero_offset).reshape(q.out) - 128
-    else:
+    got = format_of(q).int8_parts(q, parts)
+    if got is None:
         return None
-    s = scale.to(F32).reshape(q.out)
+    w, z = got
+    s = parts["scale"].to(F32).reshape(q.out)
     term = None if z is None else (z.to(F32) * s).to(dtype)
     return w, s.to(dtype).contiguous(), term
 

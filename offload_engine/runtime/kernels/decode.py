@@ -15,13 +15,12 @@ shape, so results do not change from run to run with timing noise (delete the fi
 choice is in the stats (`cpu_kernels`). OFFLOAD_ENGINE_NATIVE=all takes the native kernels for every shape
 without measuring, =0 never (native_build.py).
 
-The runtime asks through a context variable that CausalLM sets for its forwards (`active`), so that linear()
-(runtime/linear.py) needs no new argument and engines in one process each keep their own choices.
+The chosen kernels are passed explicitly: bound to a model's layer ops (StandardOps.with_kernels), which hand
+them to linear() (runtime/linear.py) and the norms, and given to its MoE block (runtime/moe_block.py); engines
+in one process each keep their own choices.
 """
 from __future__ import annotations
 
-import contextvars
-from contextlib import contextmanager
 import json
 import os
 import platform
@@ -29,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -121,19 +120,6 @@ class DecodeKernels:
                 "native_experts": self.experts, "timings_us": self.timings, "isa": native_build.isa(),
                 "native_gguf": self.gguf,
                 "native_linear_rows": "any" if self.plain_rows >= ANY_ROWS else self.plain_rows}
-
-
-active: contextvars.ContextVar[DecodeKernels | None] = contextvars.ContextVar("decode_kernels", default=None)
-
-
-@contextmanager
-def using(kernels: DecodeKernels | None) -> Iterator[None]:
-    """linear() takes `kernels`' choices inside the block (CausalLM's layers, head and MTP layers)."""
-    token = active.set(kernels)
-    try:
-        yield
-    finally:
-        active.reset(token)
 
 
 def _time(fn, args: list) -> float:

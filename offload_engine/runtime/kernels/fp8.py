@@ -18,6 +18,7 @@ import logging
 import torch
 
 from ...checkpoint.formats import QuantSpec
+from ...formats.registry import format_of
 
 log = logging.getLogger(__name__)
 E4M3_MAX = 448.0
@@ -31,9 +32,10 @@ def applies(q: QuantSpec, device: torch.device) -> bool:
         return False
     if torch.cuda.get_device_capability(device) < (9, 0) or q.out % 16 or q.inp % 16:
         return False
-    if q.kind == "fp8_block" or (q.kind == "ct_naive" and q.float_values and q.strategy == "block"):
+    scaling = format_of(q).fp8_scaling(q)
+    if scaling == "block":
         return q.block == (128, 128) and q.out % 128 == 0 and q.inp % 128 == 0
-    return q.kind == "ct_naive" and q.float_values and q.strategy == "channel"
+    return scaling == "channel"
 
 
 def meta(q: QuantSpec) -> torch.Tensor:

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 
 from ...checkpoint.formats import PRIMARY, QuantSpec, part_name
 from ...checkpoint.layout import UnitLayout
+from ...formats.registry import format_of
 from ...planner.kernel_room import (ALIGN, aligned, cpu_path, data_bytes, dense_rows_in_place, quantized_specs,
                                     tail_bytes, unit_room)
 from ...planner.placement import ROW_KINDS
-from .. import dequant, gguf_dequant
+from .. import gguf_dequant
 from . import cpu_int, fp8, native_build, triton_int
 
 W, S, T, Z, M = "@k:w", "@k:s", "@k:t", "@k:z", "@k:m"
@@ -98,8 +99,8 @@ def path_for(q: QuantSpec, device: torch.device, itemsize: int = 4) -> str | Non
         if path == "cpu_gguf" and (native_build.supported() is not None or native_build.load() is None):
             return None
         return path
-    if device.type == "cuda" and not q.kind.startswith("gguf"):
-        if q.kind == "ct_pack" and q.strategy in ("group", "channel") and triton_int.available():
+    if device.type == "cuda":
+        if format_of(q).triton_int(q) and triton_int.available():
             return "triton"
         if fp8.applies(q, device):
             return "fp8"
@@ -181,9 +182,7 @@ class Kernels:
 
 def _build(p: Planned, parts: dict, dtype: torch.dtype) -> dict[str, torch.Tensor | None] | None:
     if p.path == "cpu_dense":
-        if p.q.kind == "fp8_block":
-            return {W: dequant.fp8_block(parts["data"], parts["scale"], p.q, dtype)}
-        return {W: dequant.ct_naive(parts["data"], parts["scale"], parts["zero"], p.q, dtype)}
+        return {W: format_of(p.q).dequantize(p.q, parts, dtype)}
     if p.path == "cpu_gguf":
         blocks, meta = gguf_dequant.native_form(parts["data"], p.q)
         return {W: blocks, G: meta}

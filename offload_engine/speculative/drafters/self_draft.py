@@ -9,8 +9,10 @@ are exact, unlike a separate cache's) and are trimmed again before the verificat
 The routing choices the unrestricted router made during drafting are the tree's expert hints: the experts the
 verification pass will most likely route to, prefetched once before it.
 
-The restriction is a LayerOps wrapper (`RestrictedRouting`) given to a second CausalLM over the same weight
-source: the runtime's layer loop is reused as is, and nothing in it is patched.
+The restriction is a LayerOps wrapper (`RestrictedRouting`) over the target's ops, run through the target's
+restricted-routing view (CausalLM.view: the same checkpoint, weight source and layers, its own MoE block over
+the wrapped ops, no prefetcher, host compute or native kernels), built on the first request and kept: the
+runtime's layer loop is reused as is, and nothing in it is patched.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from ...checkpoint.naming import UnitKey
 from ...runtime.model import CausalLM
 from ..tree import DraftTree, chain_with_siblings
 from . import DraftBudget, TargetState, top_candidates
+
+
+VIEW = "self-draft"  # the target's view this drafter runs (CausalLM.view)
 
 
 class RestrictedRouting:
@@ -70,10 +75,9 @@ class SelfDrafter:
                  experts_per_token: int | None = None):
         self.cache = cache
         self.resident = resident
-        self.routing = RestrictedRouting(model.ops, experts_per_token)
-        self.model = CausalLM(model.checkpoint, model.source, model.device, model.dtype, model.max_context,
-                              model.prefill_chunk)
-        self.model.ops = self.routing  # the drafter's own CausalLM: same layer loop, restricted routing
+        self.experts_per_token = experts_per_token
+        self.model = model.view(VIEW, RestrictedRouting)  # built once per target, kept across requests
+        self.routing: RestrictedRouting = self.model.ops
 
     def rewind(self, n: int) -> None:
         pass  # drafts live in the target's cache only during propose
@@ -81,6 +85,7 @@ class SelfDrafter:
     @torch.inference_mode()
     def propose(self, context: Sequence[int], state: TargetState, budget: DraftBudget) -> DraftTree:
         resident = self.resident() if self.resident is not None else None
+        self.routing.experts_per_token = self.experts_per_token  # the view is shared: this request's settings
         self.routing.allowed = None if resident is None else _by_layer(resident)
         self.routing.wanted = {}
         cap = budget.node_cap

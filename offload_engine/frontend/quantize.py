@@ -1,12 +1,14 @@
-"""The `quantize` subcommand (registered by cli.py): parse, call quantize_checkpoint, print what was kept."""
+"""`offload-engine quantize`: its parser, the options from the flags, quantize_checkpoint, and what was kept."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from ..config import size_bytes
 from ..errors import ConfigError
-from ..units import parse_bytes
-from .plan import CALIBRATION_TOKENS, CALIBRATION_WINDOW, DEFAULT_GROUP, WEIGHTS, QuantizeOptions
+from ..quantize.plan import CALIBRATION_TOKENS, CALIBRATION_WINDOW, DEFAULT_GROUP, WEIGHTS, QuantizeOptions
+from .common import add_common, add_model_arguments, subcommand
 
 QUANTIZE_EXAMPLES = """examples:
   offload-engine quantize --model ~/models/Qwen3-30B-A3B --out ~/models/Qwen3-30B-A3B-int4 --weights int4
@@ -21,11 +23,10 @@ routers, MTP layers and the head too unless --no-keep-router / --no-keep-mtp / -
 """
 
 
-def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quantize", help="write an int8/int4/fp8 (compressed-tensors) copy of a checkpoint",
-                       epilog=QUANTIZE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_path", nargs="?", metavar="MODEL", help="as --model (either form)")
-    p.add_argument("--model", help="Hugging Face folder in bf16, fp16 or fp32 (default: the bundled model)")
+def add_quantize_parser(sub: Any) -> argparse.ArgumentParser:
+    p = subcommand(sub, "quantize", "write an int8/int4/fp8 (compressed-tensors) copy of a checkpoint",
+                   QUANTIZE_EXAMPLES)
+    add_model_arguments(p, "Hugging Face folder in bf16, fp16 or fp32")
     p.add_argument("--out", required=True, help="folder to create (never overwritten)")
     p.add_argument("--weights", required=True, choices=WEIGHTS, help="stored weight format")
     p.add_argument("--group", type=int, metavar="N",
@@ -50,16 +51,13 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-window", type=int, default=CALIBRATION_WINDOW, metavar="N",
                    help=f"tokens per sequence the text is cut into (default {CALIBRATION_WINDOW}; at most the "
                         "model's max_position_embeddings)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    add_common(p, "no progress bar")
     p.set_defaults(func=cmd_quantize)
+    return p
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[QuantizeOptions, int]:
-    try:
-        ram = parse_bytes(args.ram, what="--ram")
-    except ValueError as e:
-        raise ConfigError(f"--ram {args.ram!r}: {e}") from None
+    ram = size_bytes(args.ram, "--ram")
     if ram <= 0:
         raise ConfigError(f"--ram must be a positive size, got {args.ram!r}")
     options = QuantizeOptions(weights=args.weights, group=args.group, keep_mtp=args.keep_mtp,
@@ -71,7 +69,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[QuantizeOptions, int]:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from .convert import quantize_checkpoint
+    from ..quantize.convert import quantize_checkpoint
 
     options, ram = options_from_args(args)
     report = quantize_checkpoint(args.model, args.out, options, ram=ram,

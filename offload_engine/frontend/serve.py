@@ -1,4 +1,5 @@
-"""`offload-engine serve`: its own flags (address, key, limits), the bind check, and the uvicorn loop."""
+"""`offload-engine serve`: its parser (the engine flags of `run`, and its own: address, key, limits), the bind
+check, and the uvicorn loop."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..units import format_bytes
+from .common import add_common, add_model_arguments, subcommand
+from .engine_flags import add_engine_flags, check_context, check_engine_flags, engine_config, started_as_rank
 
 SERVE_EXAMPLES = """examples:
   offload-engine serve --model ~/models/Qwen3-30B-A3B --ram 48GiB
@@ -17,6 +20,38 @@ SERVE_EXAMPLES = """examples:
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "demo-model", "messages": [{"role": "user", "content": "Hello"}]}'
 """
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    serve = subcommand(sub, "serve", "an OpenAI-compatible HTTP server and a chat page", SERVE_EXAMPLES,
+                       usage="offload-engine serve [MODEL | --model DIR] [options]")
+    add_model_arguments(serve, "Hugging Face folder or a .gguf file")
+    add_engine_flags(serve)
+    add_serve_flags(serve)
+    serve.add_argument("--show-plan", action="store_true", help="print the placement before serving")
+    serve.add_argument("--allow-cast", action="store_true", help="accept tensors whose dtype differs from config.json")
+    add_common(serve)
+    serve.set_defaults(func=cmd_serve, json=False)
+    return serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..api import Engine
+
+    check_engine_flags(args)
+    if started_as_rank():
+        raise ConfigError("serve runs in one process: the layers split across ranks (torchrun, --devices) is "
+                          "available to `run` only")
+    check_serve_flags(args)  # before loading: a refused bind costs no load
+    check_context(args.model, args.context)  # args.model: common.choose_model filled it in
+    engine = Engine.open(args.model, engine_config(args))
+    try:
+        if args.show_plan:
+            print(engine.placement.describe(), file=sys.stderr)
+        return serve(engine, args)
+    finally:
+        engine.close()
+
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -69,7 +104,7 @@ def serve(engine: Any, args: argparse.Namespace) -> int:
     """Serve until Ctrl-C (uvicorn stops, then the interrupt is raised again: exit 130 in the CLI)."""
     import uvicorn
 
-    from .app import ServerSettings, create_app
+    from ..server.app import ServerSettings, create_app
 
     settings = ServerSettings(model_id=model_id(engine, args), api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,

@@ -1,18 +1,46 @@
-"""What `offload-engine inspect` says about an opened checkpoint: shape, parameters, the weight format (method,
-bits, group), bits per weight and the bytes of each kind of unit as the store moves them (checkpoint/layout.py's
-blobs), so they can be set beside `plan`'s (planner/formats.py sizes the same units from config.json)."""
+"""`offload-engine inspect`: its parser, and what it says about an opened checkpoint: shape, parameters, the
+weight format (method, bits, group), bits per weight and the bytes of each kind of unit as the store moves them
+(checkpoint/layout.py's blobs), so they can be set beside `plan`'s (planner/formats.py sizes the same units from
+config.json)."""
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from ..checkpoint.formats import MARK, PRIMARY, decode, format_summary
 from ..checkpoint.model import ModelCheckpoint
 from ..checkpoint.naming import ModelSchema, TensorSpec, UnitKey
+from ..planner.quant_sizes import describe
+from ..planner.sizes import param_counts
 from ..units import format_bytes
-from .quant_sizes import describe
-from .sizes import param_counts
+from .common import add_common, add_model_arguments, subcommand
 
 KIND_ORDER = ("embed", "dense", "expert", "head", "mtp")
+INSPECT_EXAMPLES = """examples:
+  offload-engine inspect ~/models/Qwen3-30B-A3B
+  offload-engine inspect --model DIR --json
+"""
+
+
+def add_inspect_parser(sub: Any) -> argparse.ArgumentParser:
+    ins = subcommand(sub, "inspect", "describe a checkpoint without loading it", INSPECT_EXAMPLES)
+    add_model_arguments(ins, "Hugging Face folder or a .gguf file")
+    ins.add_argument("--json", action="store_true")
+    add_common(ins)
+    ins.set_defaults(func=cmd_inspect)
+    return ins
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from ..checkpoint.model import open_model
+    from ..runtime.mtp import attach_mtp_units
+
+    ck = attach_mtp_units(open_model(args.model))  # MTP layers counted as such, not listed as unused tensors
+    report = inspect_report(ck)
+    print(json.dumps(report, indent=2) if args.json else inspect_text(report))
+    return 0
 
 
 def weight_params(local: str, spec: TensorSpec) -> int:

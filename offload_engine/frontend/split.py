@@ -1,4 +1,4 @@
-"""`plan --ranks`: the model split over pipeline ranks (planner/split.py), from config.json and hardware profiles.
+"""`offload-engine plan --ranks`: its flags and report, the model split over pipeline ranks (planner/split.py), from config.json and hardware profiles.
 
 Each rank is one device of a profile: its VRAM (less the CUDA reserve) read at the GPU's memory bandwidth, its
 RAM (less the host reserve; with several ranks per box, the box's RAM is shared: --rank-ram sets each rank's
@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..config import size_bytes
 from ..constants import DEFAULT_CONTEXT
 from ..errors import ConfigError
-from ..units import parse_bytes
-from .formats import WeightFormat
-from .hardware import HardwareProfile, load_profile
-from .plan import DEVICE_RESERVE, HOST_RESERVE, load_model_spec, model_shape
-from .split import RankSpec, Split, Tier, layer_costs, split_layers
+from ..planner.formats import WeightFormat
+from ..planner.hardware import HardwareProfile, load_profile
+from ..planner.plan import DEVICE_RESERVE, HOST_RESERVE, load_model_spec, model_shape
+from ..planner.split import RankSpec, Split, Tier, layer_costs, split_layers
 
 ITEMSIZE = 2  # bf16 activations and KV
 
@@ -52,13 +52,7 @@ def build_split(model: str, ranks: str, default_hardware: str | HardwareProfile,
     if not names or not all(names):
         raise ConfigError(f"--ranks {ranks!r}: a number of ranks, or profile names separated by commas")
 
-    def size(text: str | None, flag: str) -> int | None:
-        try:
-            return None if text is None else parse_bytes(text, what=flag)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    vram, ram = size(rank_vram, "--rank-vram"), size(rank_ram, "--rank-ram")
+    vram, ram = size_bytes(rank_vram, "--rank-vram"), size_bytes(rank_ram, "--rank-ram")
     profiles = [load_profile(n) if isinstance(n, str) else n for n in names]  # a profile: this machine's
     specs = [rank_spec(prof.name, prof, vram, ram) for prof in profiles]
     layers, extras = layer_costs(shape.bytes_of(fmt, False), shape.spec, context, ITEMSIZE)

@@ -1,32 +1,18 @@
-"""A Plan as JSON (machine-readable, stable keys) and as text (what `offload-engine plan` prints)."""
+"""`plan`'s report: a Plan as JSON (machine-readable, stable keys) and as text (what `offload-engine plan` prints)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from ..planner import costs
+from ..planner.plan import Plan
+from ..planner.what_ifs import WhatIf
 from ..units import format_bytes
-from . import costs
-from .plan import Plan
 
 
 SCENARIOS = ("no_hits", "expected", "all_hits")
 ACTIVE_CONVENTION = "with_embedding_and_head"  # of params_active; the others in params_active_by_convention
 
 
-
-# a what-if row (planner/commands.py finds them: the smallest change that doubles the speed)
-@dataclass(frozen=True)
-class WhatIf:
-    change: str
-    tok_s: float | None  # expected decode tok/s after the change; None: infeasible
-    factor: float | None
-    bottleneck: str = ""
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"change": self.change, "tok_s": None if self.tok_s is None else round(self.tok_s, 4),
-                "factor": None if self.factor is None else round(self.factor, 3), "bottleneck": self.bottleneck,
-                "note": self.note, "doubles": bool(self.factor and self.factor >= 2)}
 
 def unit_bytes_by_kind(units: dict) -> dict[str, dict[str, int]]:
     """Per kind of the units placed: how many, the largest (what a slot holds) and the smallest, in bytes."""
