@@ -37,6 +37,8 @@ import torch
 from ..config import AUTO, check_threads  # noqa: F401 (the option's check, with it)
 from .cpu_load import CpuSample, usable_cores
 PROBE_SHARE = 0.03  # most of the decode time that probing other thread counts may cost
+WARMUP_STEPS = 2  # an engine's first decode steps, left out of every window: the first builds the one-call decode
+#   plan (1.7 s on a 48-layer model, against ~0.1 s a step), which made two threads look slower than one
 WINDOW_TOKENS = 8  # decode tokens per measured window...
 WINDOW_S = 0.02  # ...and at least this long
 MARGIN = 0.10  # a probed count is kept when its window is this much faster per token
@@ -113,6 +115,7 @@ class ThreadTuner:
     _wait_s: float = FIRST_PROBE_S  # ...before the next one
     _least_wait_s: float = 0.0  # what the last lost probe cost / PROBE_SHARE
     _up_next: bool = False
+    _warmup: int = WARMUP_STEPS  # steps still to leave out
 
     @classmethod
     def open(cls, setting: int | str, streams: bool, cpu: CpuSample | None = None) -> "ThreadTuner":
@@ -153,6 +156,9 @@ class ThreadTuner:
         count = self.running
         self.tokens_by_count[count] = self.tokens_by_count.get(count, 0) + tokens
         if not self.adaptive:
+            return
+        if self._warmup > 0:  # one-time costs, not the count's speed
+            self._warmup -= 1
             return
         self._decode_s += seconds
         if self._probe is not None:
