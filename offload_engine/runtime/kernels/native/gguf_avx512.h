@@ -25,8 +25,8 @@
 namespace offload_native::gguf {
 
 // a tile's NB rows are NB short streams the hardware prefetcher does not ramp up on: the rows kAheadTiles tiles
-// ahead are prefetched into L2 as these are read (into L1, or 4 tiles ahead, two threads read Q4_0 at ~20 GB/s; so,
-// ~28 of the machine's ~32: tools/gguf_native_bench.py)
+// ahead are prefetched into L2 as these are read (into L1, or 4 tiles ahead, two threads read the 30B shape's Q4_0
+// head at ~20 GB/s; so, 26-29 of the machine's ~32: docs/PERF.md "Real size")
 constexpr int64_t kAheadTiles = 8;
 
 template <bool kQ8>
