@@ -11,6 +11,7 @@ try:
     import httpx2 as httpx  # the openai client's HTTP library where it is httpx's successor
 except ImportError:
     import httpx
+import pytest
 import uvicorn
 
 from offload_engine.server.app import ServerSettings, create_app
@@ -38,3 +39,18 @@ def serving(engine: Any, settings: ServerSettings) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def base(engine: Any) -> Iterator[str]:
+    """The server over the importing module's `engine` fixture: the demo model's id, bodies up to 1 MiB."""
+    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> Any:
+    """The official openai client on `base`, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)

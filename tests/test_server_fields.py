@@ -24,8 +24,7 @@ from openai.types.chat import completion_create_params as chat_params  # noqa: E
 
 from offload_engine.api import Engine  # noqa: E402
 from offload_engine.server import fields as server_fields  # noqa: E402
-from offload_engine.server.app import ServerSettings  # noqa: E402
-from tests.serving import serving  # noqa: E402
+from tests.serving import base, client  # noqa: E402,F401 (the server fixtures)
 
 DEMO = Path(__file__).resolve().parents[1] / "offload_engine" / "data" / "demo-model"
 MSGS = [{"role": "user", "content": "Write a function."}]
@@ -38,17 +37,6 @@ def engine():
     e = Engine.open(DEMO)
     yield e
     e.close()
-
-
-@pytest.fixture(scope="module")
-def base(engine):
-    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def client_fields(module: Any) -> set[str]:

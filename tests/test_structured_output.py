@@ -26,8 +26,7 @@ from offload_engine.api import Engine  # noqa: E402
 from offload_engine.errors import ConfigError  # noqa: E402
 from offload_engine.generate.grammar import Grammar, GrammarMatcher  # noqa: E402
 from offload_engine.generate.sampling import Sampler, SamplingParams  # noqa: E402
-from offload_engine.server.app import ServerSettings  # noqa: E402
-from tests.serving import serving  # noqa: E402
+from tests.serving import base  # noqa: E402,F401 (the server fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "offload_engine" / "data" / "demo-model"
@@ -58,12 +57,6 @@ def engine():
     e = Engine.open(DEMO, spec="mtp")  # speculation on: each draft-tree row is masked along its own path
     yield e
     e.close()
-
-
-@pytest.fixture(scope="module")
-def base(engine):
-    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,9 @@ from offload_engine.generate.grammar import Grammar, GrammarMatcher  # noqa: E40
 from offload_engine.generate.tool_calls import SYNTAXES, CallText, call_grammar, detect, literal, parse  # noqa: E402
 from offload_engine.generate.tool_parsed import Parsed  # noqa: E402
 from offload_engine.server import tools as server_tools  # noqa: E402
-from offload_engine.server.app import ServerSettings  # noqa: E402
 from offload_engine.server.protocol import ApiError, ChatRequest  # noqa: E402
 from offload_engine.tokenizer import Tokenizer  # noqa: E402
-from tests.serving import serving  # noqa: E402
+from tests.serving import base, client  # noqa: E402,F401 (the server fixtures)
 
 DEMO = Path(__file__).resolve().parents[1] / "offload_engine" / "data" / "demo-model"
 WEATHER = {"type": "object", "properties": {
@@ -57,17 +56,6 @@ def engine():
     e = Engine.open(DEMO)
     yield e
     e.close()
-
-
-@pytest.fixture(scope="module")
-def base(engine):
-    with serving(engine, ServerSettings(model_id="demo-model", max_body_bytes=1024 * 1024)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def valid_call(call, names=tuple(SCHEMAS)) -> dict:

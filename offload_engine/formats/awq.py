@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.quant_config import QuantConfig
-from .base import Parts, WeightFormat, span
-from .gptq import group_rows, in_order, recognise_packed, zeros_and_scales
+from .base import Parts, span
+from .gptq import PackedInt32, group_rows, in_order, recognise_packed, zeros_and_scales
 from .packing import F32, pair_bytes, unpack_int32
 from .spec import QuantSpec, Recognition, ceil_div, compute_dtype, primary_name
 
@@ -20,10 +20,9 @@ def columns(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return fields.index_select(2, order).reshape(packed.shape[0], -1)
 
 
-class Awq(WeightFormat):
+class Awq(PackedInt32):
     kind = "awq"
     methods = ("awq",)
-    scale_dtype = "F16"
 
     def recognise(self, c: Recognition, cfg: QuantConfig) -> QuantSpec | None:
         got = recognise_packed(c, cfg)
@@ -34,13 +33,6 @@ class Awq(WeightFormat):
         c.add(primary_name(c.local, q), qweight, (c.inp, c.out // per), ("I32",), "qweight (AWQ GEMM layout)")
         zeros_and_scales(c, module, qweight, groups, per)
         return q
-
-    def planned(self, cfg: QuantConfig, unit_kind: str, module: str, out: int, inp: int) -> QuantSpec | None:
-        return QuantSpec(cfg.method, out, inp, bits=cfg.bits, group=inp if cfg.group_size == -1 else cfg.group_size,
-                         symmetric=cfg.sym, zero_offset=cfg.zero_offset)
-
-    def scale_names(self, hf_name: str) -> tuple[str, ...]:
-        return (hf_name.removesuffix(".weight") + ".scales",)
 
     def parts(self, q: QuantSpec, scale_dtype: str | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
         per, groups = 32 // q.bits, ceil_div(q.inp, q.group)

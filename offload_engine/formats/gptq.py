@@ -40,10 +40,21 @@ def recognise_packed(c: Recognition, cfg: QuantConfig) -> tuple[QuantSpec, objec
     return q, qweight, module, c.inp // group
 
 
-class Gptq(WeightFormat):
+class PackedInt32(WeightFormat):
+    """GPTQ's and AWQ's shared answers: int32 words of 4- or 8-bit values, fp16 `.scales` per group."""
+    scale_dtype = "F16"
+
+    def planned(self, cfg: QuantConfig, unit_kind: str, module: str, out: int, inp: int) -> QuantSpec | None:
+        return QuantSpec(cfg.method, out, inp, bits=cfg.bits, group=inp if cfg.group_size == -1 else cfg.group_size,
+                         symmetric=cfg.sym, zero_offset=cfg.zero_offset)
+
+    def scale_names(self, hf_name: str) -> tuple[str, ...]:
+        return (hf_name.removesuffix(".weight") + ".scales",)
+
+
+class Gptq(PackedInt32):
     kind = "gptq"
     methods = ("gptq",)
-    scale_dtype = "F16"
 
     def recognise(self, c: Recognition, cfg: QuantConfig) -> QuantSpec | None:
         got = recognise_packed(c, cfg)
@@ -59,13 +70,6 @@ class Gptq(WeightFormat):
             c.need(module + ".g_idx", "g_idx (desc_act=true)", qweight)
         zeros_and_scales(c, module, qweight, groups, per)
         return q
-
-    def planned(self, cfg: QuantConfig, unit_kind: str, module: str, out: int, inp: int) -> QuantSpec | None:
-        return QuantSpec(cfg.method, out, inp, bits=cfg.bits, group=inp if cfg.group_size == -1 else cfg.group_size,
-                         symmetric=cfg.sym, zero_offset=cfg.zero_offset)
-
-    def scale_names(self, hf_name: str) -> tuple[str, ...]:
-        return (hf_name.removesuffix(".weight") + ".scales",)
 
     def parts(self, q: QuantSpec, scale_dtype: str | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
         per, groups = 32 // q.bits, ceil_div(q.inp, q.group)
